@@ -1,0 +1,69 @@
+"""Type stubs for the Rust extension module ``dask_shm._core``."""
+
+from collections.abc import Iterable
+from os import PathLike
+from typing import final
+
+from typing_extensions import Buffer
+
+__version__: str
+#: Every frame inside a spill file starts at a multiple of this many bytes.
+FRAME_ALIGNMENT: int
+
+class SpillFileError(OSError):
+    """A spill file exists but cannot be read back: truncated, corrupted or not ours."""
+
+@final
+class MappedFile:
+    """A private (copy-on-write), writable memory mapping of one spill file.
+
+    Exposes the buffer protocol; writes never reach the file.
+    """
+
+    @property
+    def path(self) -> str: ...
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+@final
+class FileStore:
+    """A directory of spill files, one per entry, with their size accounting.
+
+    Thread-safe. The directory is created with mode 0700; files are 0600,
+    created with O_EXCL|O_NOFOLLOW under a temporary name and published whole.
+    """
+
+    def __init__(self, directory: str | PathLike[str]) -> None: ...
+    @property
+    def directory(self) -> str: ...
+    def put(
+        self,
+        stem: str,
+        frames: Iterable[Buffer],
+        memory: int,
+        max_disk: int | None = None,
+    ) -> tuple[str, int] | None:
+        """Write ``frames`` to a new file ``{stem}#{n}`` and account it.
+
+        Returns ``(file name, bytes on disk)``, or None, having written nothing,
+        if the total on disk would exceed ``max_disk``. Raises OSError on I/O
+        failure (nothing is accounted and no file is left behind).
+        """
+    def read(self, name: str) -> list[memoryview]:
+        """Frames of a file, copied into one private bytearray.
+
+        Raises KeyError for an unknown name, SpillFileError for a truncated or
+        corrupted file, FileNotFoundError if the file was deleted behind our back.
+        """
+    def read_mapped(self, name: str) -> list[memoryview]:
+        """Frames of a file as writable, 64-byte-aligned views of a private mapping."""
+    def delete(self, name: str) -> tuple[int, int] | None:
+        """Forget an entry and delete its file; ``(memory, disk)`` it had, or None."""
+    def sizes(self, name: str) -> tuple[int, int]:
+        """``(memory, disk)`` of one entry; KeyError if unknown."""
+    def total(self) -> tuple[int, int]:
+        """``(memory, disk)`` summed over all entries."""
+    def path(self, name: str) -> str: ...
+    def names(self) -> list[str]: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, name: str) -> bool: ...

@@ -1,0 +1,177 @@
+"""SpillBuffer: a drop-in for ``distributed.spill.SpillBuffer`` on a Rust file store."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Literal, NoReturn, cast
+
+import zict
+from dask.typing import Key
+from distributed.metrics import context_meter
+from distributed.sizeof import safe_sizeof
+from distributed.spill import SpilledSize
+from distributed.utils import RateLimiterFilter
+
+from dask_shm.spill_store import MaxSpillExceeded, PickleError, SpillStore
+
+logger = logging.getLogger(__name__)
+logger.addFilter(RateLimiterFilter("Spill file on disk reached capacity"))
+logger.addFilter(RateLimiterFilter("Spill to disk failed"))
+
+
+class _Handled(Exception):
+    """Internal: a spill failure that was logged and left the key in memory."""
+
+
+def _in_memory_weight(key: Key, value: object) -> int:
+    return safe_sizeof(value)
+
+
+class SpillBuffer(zict.Buffer[Key, object]):
+    """MutableMapping that keeps recently used values in memory up to ``target``
+    bytes (measured with ``sizeof``) and spills the least recently used ones to
+    files in ``spill_directory``.
+
+    Behaves like ``distributed.spill.SpillBuffer``, including its error contract:
+
+    - a value individually larger than ``target`` goes straight to disk; if it
+      fails to pickle, the key is forgotten and the exception is raised;
+    - if spilling an *older* value fails (unpicklable, OSError such as a full
+      disk, or ``max_spill`` reached), the failure is logged once, nothing is
+      raised, and the offending key stays in memory;
+    - a value unspilled while another reference to it is still alive is not
+      duplicated: the same object is returned;
+    - a spill file that is deleted, truncated or corrupted behind our back
+      raises :class:`dask_shm.SpillFileError` naming the key on read; the key
+      stays in the buffer and can be deleted.
+
+    Parameters
+    ----------
+    spill_directory:
+        Directory for the spill files (created with mode 0700).
+    target:
+        Bytes of managed memory above which the least recently used values spill.
+    max_spill:
+        Limit on the bytes held on disk, or False for no limit.
+    """
+
+    logged_pickle_errors: set[Key]
+    #: (label, unit) -> ever-increasing cumulative value
+    cumulative_metrics: defaultdict[tuple[str, str], float]
+
+    def __init__(
+        self,
+        spill_directory: str,
+        target: int,
+        max_spill: int | Literal[False] = False,
+    ):
+        self.cumulative_metrics = defaultdict(float)
+        slow = SpillStore(spill_directory, max_spill, metrics=self.cumulative_metrics)
+        # A value still referenced elsewhere since its last unspill is served
+        # from the weak-value cache instead of being read (and held) twice.
+        slow_cached = zict.Cache(slow, zict.WeakValueMapping())
+        super().__init__(fast={}, slow=slow_cached, n=target, weight=_in_memory_weight)
+        self.logged_pickle_errors = set()
+
+    def _handle(self, e: Exception, key: Key | None) -> NoReturn:
+        """Turn an internal spill exception into the public contract: raise
+        ``_Handled`` after logging, or re-raise for a key being inserted that
+        is too large for memory and cannot be pickled."""
+        if isinstance(e, MaxSpillExceeded):
+            logger.warning("Spill file on disk reached capacity; keeping data in memory")
+            raise _Handled() from e
+        if isinstance(e, PickleError):
+            if e.key == key:
+                # The value being inserted went straight to disk and failed to
+                # serialize: forget it and tell the caller.
+                del self[cast(Key, key)]
+                raise e
+            if e.key not in self.logged_pickle_errors:
+                logger.error("Failed to pickle %r", e.key, exc_info=e)
+                self.logged_pickle_errors.add(e.key)
+            raise _Handled() from e
+        # OSError: typically a full disk
+        logger.error("Spill to disk failed; keeping data in memory", exc_info=e)
+        raise _Handled() from e
+
+    def __setitem__(self, key: Key, value: object) -> None:
+        """Store ``value`` in memory, or on disk if it alone exceeds ``target``;
+        older values may spill as a result.
+
+        Raises
+        ------
+        Exception
+            ``value`` exceeds ``target`` and failed to pickle; it was forgotten.
+
+        Any other failure (an older value failed to pickle, OSError, max_spill
+        reached) is logged and the key that caused it stays in memory.
+        """
+        try:
+            super().__setitem__(key, value)
+            self.logged_pickle_errors.discard(key)
+        except (MaxSpillExceeded, PickleError, OSError) as e:
+            try:
+                self._handle(e, key)
+            except _Handled:
+                pass
+
+    def evict(self) -> int:
+        """Spill the least recently used value, even below target.
+
+        Returns its ``sizeof``, or -1 if spilling failed (logged; the value
+        stays in memory). Never raises.
+        """
+        try:
+            _, _, weight = self.fast.evict()
+            return cast(int, weight)
+        except (MaxSpillExceeded, PickleError, OSError) as e:
+            try:
+                self._handle(e, None)
+            except _Handled:
+                return -1
+
+    def __getitem__(self, key: Key) -> object:
+        if key in self.fast:
+            # Counted here, not in fast.__getitem__, which also runs on eviction.
+            nbytes = self.fast.weights[key]
+            metrics = self.cumulative_metrics
+            metrics["memory-read", "count"] += 1
+            metrics["memory-read", "bytes"] += nbytes
+            context_meter.digest_metric("memory-read", 1, "count")
+            context_meter.digest_metric("memory-read", nbytes, "bytes")
+        return super().__getitem__(key)
+
+    def __delitem__(self, key: Key) -> None:
+        super().__delitem__(key)
+        self.logged_pickle_errors.discard(key)
+
+    def pop(self, key: Key, default: object = None) -> object:
+        raise NotImplementedError(
+            "Are you calling .pop(key, None) as a way to discard a key if it exists?"
+            "It may cause data to be read back from disk! Please use `del` instead."
+        )
+
+    @property
+    def memory(self) -> Mapping[Key, object]:
+        """Key/value pairs held in memory (alias of ``fast``). Read only."""
+        return self.fast
+
+    @property
+    def disk(self) -> Mapping[Key, object]:
+        """Key/value pairs spilled to disk (alias of ``slow``). Read only."""
+        return self.slow
+
+    @property
+    def _slow_uncached(self) -> SpillStore:
+        return cast(SpillStore, cast(zict.Cache, self.slow).data)
+
+    @property
+    def spill_directory(self) -> str:
+        return self._slow_uncached.directory
+
+    @property
+    def spilled_total(self) -> SpilledSize:
+        """``(sizeof, bytes on disk)`` summed over the spilled values."""
+        return self._slow_uncached.total_weight

@@ -1,0 +1,187 @@
+"""The slow half of :class:`dask_shm.SpillBuffer`: values serialized into files.
+
+:class:`SpillStore` is a ``MutableMapping[Key, object]`` over a Rust
+:class:`~dask_shm._core.FileStore`. It plays the part that ``distributed.spill.Slow``
+plays in stock distributed (same serialization, same metrics, same accounting
+surface) and raises the same internal exceptions, which :class:`SpillBuffer`
+turns into its public error contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Hashable, Iterator, Mapping, MutableMapping
+from typing import Literal
+from urllib.parse import quote
+
+import msgpack
+from dask.typing import Key
+from distributed.metrics import context_meter
+from distributed.protocol.compression import decompress, get_compression_settings
+from distributed.protocol.serialize import merge_and_deserialize, serialize_bytelist
+from distributed.sizeof import safe_sizeof
+from distributed.spill import SpilledSize
+
+from dask_shm._core import FileStore, SpillFileError
+
+#: File names longer than this are shortened and made unique with a hash.
+_MAX_STEM = 200
+
+
+class MaxSpillExceeded(Exception):
+    """Internal: writing the key would take the spill directory past max_spill."""
+
+
+class PickleError(TypeError):
+    """Internal: the key's value could not be serialized."""
+
+    def __str__(self) -> str:
+        return f"Failed to pickle {self.key!r}"
+
+    @property
+    def key(self) -> Key:
+        return self.args[0]
+
+
+def file_stem(key: Key) -> str:
+    """File name stem for a key: ``quote(str(key))`` as stock distributed does,
+    shortened with a hash suffix when too long for a file system."""
+    stem = quote(str(key), safe="")
+    if stem.startswith("."):
+        stem = "%2E" + stem[1:]
+    if len(stem) > _MAX_STEM:
+        digest = hashlib.sha1(stem.encode()).hexdigest()[:16]
+        stem = f"{stem[: _MAX_STEM - 17]}~{digest}"
+    return stem
+
+
+def frames_to_object(frames: list[memoryview]) -> object:
+    """Deserialize frames laid out as ``[msgpack header, *payload frames]``."""
+    header = msgpack.loads(frames[0], raw=False, use_list=False) if frames[0] else {}
+    return merge_and_deserialize(header, decompress(header, frames[1:]))
+
+
+class _WeightByKey(Mapping[Key, SpilledSize]):
+    """Read-only ``{key: SpilledSize}`` view of the store's accounting."""
+
+    def __init__(self, store: SpillStore):
+        self._store = store
+
+    def __getitem__(self, key: Key) -> SpilledSize:
+        return SpilledSize(*self._store.files.sizes(self._store.filenames[key]))
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._store.filenames)
+
+    def __len__(self) -> int:
+        return len(self._store.filenames)
+
+
+class SpillStore(MutableMapping[Key, object]):
+    """Values serialized with ``serialize_bytelist`` into one file per key.
+
+    Guarantees: a key is readable once ``__setitem__`` returns; files are
+    published whole (a crash mid-write leaves no readable half file);
+    ``total_weight`` always equals the sum of ``weight_by_key``, and its disk
+    part equals the bytes of the files in the directory.
+
+    Raises (internal, caught by SpillBuffer): :class:`PickleError` when the
+    value fails to serialize, :class:`MaxSpillExceeded` when the write would
+    exceed ``max_weight``, ``OSError`` when the write fails (disk full, ...).
+    Reading raises ``KeyError`` for an unknown key and
+    :class:`~dask_shm._core.SpillFileError` naming the key when its file is
+    missing, truncated or corrupted.
+    """
+
+    max_weight: int | Literal[False]
+    filenames: dict[Key, str]
+    weight_by_key: Mapping[Key, SpilledSize]
+
+    def __init__(
+        self,
+        spill_directory: str,
+        max_weight: int | Literal[False] = False,
+        *,
+        metrics: defaultdict[tuple[str, str], float] | None = None,
+        mapped: bool = False,
+    ):
+        self.files = FileStore(spill_directory)
+        self.max_weight = max_weight
+        self.mapped = mapped
+        self.filenames = {}
+        self.weight_by_key = _WeightByKey(self)
+        self.cumulative_metrics = metrics if metrics is not None else defaultdict(float)
+        self._compression = get_compression_settings("distributed.worker.memory.spill-compression")
+
+    @property
+    def directory(self) -> str:
+        return str(self.files.directory)
+
+    @property
+    def total_weight(self) -> SpilledSize:
+        return SpilledSize(*self.files.total())
+
+    def _record(self, label: Hashable, value: float, unit: str) -> None:
+        self.cumulative_metrics[label, unit] += value  # type: ignore[index]
+
+    def __setitem__(self, key: Key, value: object) -> None:
+        with context_meter.add_callback(self._record):
+            try:
+                frames = serialize_bytelist(value, compression=self._compression, on_error="raise")
+            except Exception as e:
+                raise PickleError(key) from e
+            max_disk = None if self.max_weight is False else self.max_weight
+            with context_meter.meter("disk-write", "seconds"):
+                # frames[0] is stock's length prelude; our file has its own frame table.
+                stored = self.files.put(file_stem(key), frames[1:], safe_sizeof(value), max_disk)
+            if stored is None:
+                raise MaxSpillExceeded(key)
+            name, disk = stored
+            context_meter.digest_metric("disk-write", 1, "count")
+            context_meter.digest_metric("disk-write", disk, "bytes")
+        if self.filenames.setdefault(key, name) != name:
+            # Another thread stored the same key meanwhile; keep theirs.
+            self.files.delete(name)
+
+    def __getitem__(self, key: Key) -> object:
+        name = self.filenames[key]
+        with context_meter.add_callback(self._record):
+            try:
+                with context_meter.meter("disk-read", "seconds"):
+                    frames = self.files.read_mapped(name) if self.mapped else self.files.read(name)
+            except KeyError:
+                raise KeyError(key) from None
+            except OSError as e:
+                raise SpillFileError(
+                    f"Cannot read back spilled key {key!r} from {self.files.path(name)}: {e}"
+                ) from e
+            context_meter.digest_metric("disk-read", 1, "count")
+            context_meter.digest_metric("disk-read", sum(f.nbytes for f in frames), "bytes")
+            try:
+                return frames_to_object(frames)
+            except Exception as e:
+                raise SpillFileError(
+                    f"Spilled key {key!r} in {self.files.path(name)} failed to deserialize: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+
+    def __delitem__(self, key: Key) -> None:
+        name = self.filenames.pop(key)
+        self.files.delete(name)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.filenames
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self.filenames)
+
+    def __len__(self) -> int:
+        return len(self.filenames)
+
+    def path(self, key: Key) -> str:
+        """Path of the file holding ``key``."""
+        return str(self.files.path(self.filenames[key]))
+
+    def __repr__(self) -> str:
+        return f"<SpillStore {self.directory}: {len(self)} keys>"

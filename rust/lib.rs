@@ -1,0 +1,23 @@
+//! `dask_shm._core`: the Rust half of dask-shm. This file only wires the
+//! Python module; each concern lives in its own module.
+
+pub mod format;
+pub mod ledger;
+mod py_buffers;
+mod py_store;
+pub mod store;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FRAME_ALIGNMENT", format::ALIGN)?;
+    m.add_class::<py_store::FileStore>()?;
+    m.add_class::<py_buffers::MappedFile>()?;
+    m.add(
+        "SpillFileError",
+        m.py().get_type::<py_store::SpillFileError>(),
+    )?;
+    Ok(())
+}

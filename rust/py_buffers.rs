@@ -1,0 +1,157 @@
+//! Borrowing raw bytes out of Python buffer objects, and exporting a memory
+//! mapping as a Python buffer.
+
+use std::ffi::c_int;
+use std::ptr;
+
+use memmap2::MmapMut;
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+/// A contiguous byte view of a Python object, held for as long as this value
+/// lives. Released on drop, which must happen with the GIL held (it always
+/// does: these values live on the stack of a `#[pymethods]` function).
+pub struct HeldBuffer {
+    view: ffi::Py_buffer,
+    /// Keeps a converted object (e.g. `bytes(x)` of a non-contiguous view) alive.
+    _owner: Option<Py<PyAny>>,
+}
+
+impl HeldBuffer {
+    /// Borrow the bytes of `obj`. Objects that cannot export a contiguous
+    /// buffer (e.g. a strided memoryview) are first copied with `bytes(obj)`.
+    pub fn get(obj: &Bound<'_, PyAny>) -> PyResult<HeldBuffer> {
+        match Self::simple(obj) {
+            Ok(held) => Ok(held),
+            Err(first) => {
+                let copied = match obj.py().get_type::<pyo3::types::PyBytes>().call1((obj,)) {
+                    Ok(c) => c,
+                    Err(_) => return Err(first),
+                };
+                let mut held = Self::simple(&copied)?;
+                held._owner = Some(copied.unbind());
+                Ok(held)
+            }
+        }
+    }
+
+    fn simple(obj: &Bound<'_, PyAny>) -> PyResult<HeldBuffer> {
+        let mut view = std::mem::MaybeUninit::<ffi::Py_buffer>::uninit();
+        // SAFETY: PyObject_GetBuffer fills `view` on success (return 0).
+        let rc =
+            unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_SIMPLE) };
+        if rc != 0 {
+            return Err(PyErr::take(obj.py())
+                .unwrap_or_else(|| PyBufferError::new_err("object does not export a buffer")));
+        }
+        Ok(HeldBuffer {
+            // SAFETY: initialised by the successful call above.
+            view: unsafe { view.assume_init() },
+            _owner: None,
+        })
+    }
+
+    /// Address and length, to hand to code running without the GIL.
+    pub fn raw(&self) -> (usize, usize) {
+        (self.view.buf as usize, self.view.len as usize)
+    }
+}
+
+impl Drop for HeldBuffer {
+    fn drop(&mut self) {
+        // SAFETY: the view was obtained by PyObject_GetBuffer and is released once.
+        unsafe { ffi::PyBuffer_Release(&mut self.view) }
+    }
+}
+
+/// Rebuild byte slices from addresses taken by [`HeldBuffer::raw`].
+///
+/// # Safety
+/// Every (address, length) pair must come from a `HeldBuffer` that is still
+/// alive for the lifetime `'a`.
+pub unsafe fn slices_from_raw<'a>(raw: &[(usize, usize)]) -> Vec<&'a [u8]> {
+    raw.iter()
+        .map(|&(addr, len)| {
+            if len == 0 {
+                &[][..]
+            } else {
+                std::slice::from_raw_parts(addr as *const u8, len)
+            }
+        })
+        .collect()
+}
+
+/// A private, writable memory mapping of a spill file, exported through the
+/// buffer protocol. Writes go to private copy-on-write pages and never reach
+/// the file, so a task that modifies an array deserialized from it cannot
+/// change what anyone else reads.
+#[pyclass(module = "dask_shm._core", frozen)]
+pub struct MappedFile {
+    map: MmapMut,
+    path: String,
+}
+
+impl MappedFile {
+    pub fn new(map: MmapMut, path: String) -> MappedFile {
+        MappedFile { map, path }
+    }
+}
+
+#[pymethods]
+impl MappedFile {
+    fn __len__(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Path of the file this mapping was made from (it may since have been unlinked).
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<MappedFile {} ({} bytes)>", self.path, self.map.len())
+    }
+
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("View is null"));
+        }
+        let this = slf.get();
+        // The mapping is MAP_PRIVATE: exporting it writable is safe and lets
+        // numpy deserialize without a defensive copy. The frozen pyclass never
+        // moves or drops `map` while a view (which holds a reference) exists.
+        let ptr = this.map.as_ptr() as *mut std::ffi::c_void;
+        (*view).obj = slf.clone().into_any().into_ptr();
+        (*view).buf = ptr;
+        (*view).len = this.map.len() as ffi::Py_ssize_t;
+        (*view).readonly = 0;
+        (*view).itemsize = 1;
+        (*view).format = if (flags & ffi::PyBUF_FORMAT) == ffi::PyBUF_FORMAT {
+            c"B".as_ptr() as *mut _
+        } else {
+            ptr::null_mut()
+        };
+        (*view).ndim = 1;
+        (*view).shape = if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND {
+            &mut (*view).len
+        } else {
+            ptr::null_mut()
+        };
+        (*view).strides = if (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
+            &mut (*view).itemsize
+        } else {
+            ptr::null_mut()
+        };
+        (*view).suboffsets = ptr::null_mut();
+        (*view).internal = ptr::null_mut();
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
