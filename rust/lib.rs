@@ -3,6 +3,7 @@
 
 pub mod format;
 pub mod ledger;
+mod local_transport;
 mod py_buffers;
 mod py_store;
 pub mod store;
@@ -15,6 +16,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FRAME_ALIGNMENT", format::ALIGN)?;
     m.add_class::<py_store::FileStore>()?;
     m.add_class::<py_buffers::MappedFile>()?;
+    m.add_function(wrap_pyfunction!(local_transport::map_frames, m)?)?;
+    m.add_function(wrap_pyfunction!(local_transport::buffer_address, m)?)?;
+    m.add_function(wrap_pyfunction!(local_transport::py_pages_unmodified, m)?)?;
     m.add(
         "SpillFileError",
         m.py().get_type::<py_store::SpillFileError>(),

@@ -67,3 +67,25 @@ class FileStore:
     def names(self) -> list[str]: ...
     def __len__(self) -> int: ...
     def __contains__(self, name: str) -> bool: ...
+
+# --- local shared-memory scheduler (rust/local_transport.rs) ---
+
+def map_frames(path: str | PathLike[str]) -> tuple[MappedFile, int, list[tuple[int, int]]]:
+    """Map a spill-format file written by any process, copy-on-write.
+
+    Returns ``(mapping, base address, [(offset, length) per frame])``. Raises
+    OSError (FileNotFoundError, ...) if it cannot be opened and SpillFileError
+    if it is truncated, corrupted or not a spill file.
+    """
+
+def buffer_address(obj: Buffer) -> tuple[int, int]:
+    """``(address, length)`` of the contiguous bytes ``obj`` exports; never copies.
+
+    Raises BufferError if ``obj`` cannot export one contiguous buffer.
+    """
+
+def pages_unmodified(addr: int, length: int) -> bool:
+    """True if no page of ``[addr, addr + length)`` was written since it was
+    mapped from its file (read from ``/proc/self/pagemap``). The range must lie
+    in a live private file mapping. Raises OSError if pagemap is unreadable.
+    """
