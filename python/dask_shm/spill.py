@@ -14,6 +14,7 @@ from distributed.sizeof import safe_sizeof
 from distributed.spill import SpilledSize
 from distributed.utils import RateLimiterFilter
 
+from dask_shm._core import SpillFileError
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, SpillStore
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ class SpillBuffer(zict.Buffer[Key, object]):
       raised, and the offending key stays in memory;
     - a value unspilled while another reference to it is still alive is not
       duplicated: the same object is returned;
+    - reading a key never fails because spilling *other* keys to make room
+      for it failed (stock lets its internal exception escape there): that
+      failure is logged and those keys stay in memory;
     - a spill file that is deleted, truncated or corrupted behind our back
       raises :class:`dask_shm.SpillFileError` naming the key on read; the key
       stays in the buffer and can be deleted.
@@ -141,7 +145,21 @@ class SpillBuffer(zict.Buffer[Key, object]):
             metrics["memory-read", "bytes"] += nbytes
             context_meter.digest_metric("memory-read", 1, "count")
             context_meter.digest_metric("memory-read", nbytes, "bytes")
-        return super().__getitem__(key)
+        try:
+            return super().__getitem__(key)
+        except SpillFileError:
+            raise
+        except (MaxSpillExceeded, PickleError, OSError) as e:
+            # Reading the key worked; spilling older keys to make room for it
+            # failed. Unlike stock, which lets this internal error escape, log
+            # it, keep those keys in memory and return the value.
+            if key not in self:
+                raise
+            try:
+                self._handle(e, None)
+            except _Handled:
+                pass
+            return self.fast[key] if key in self.fast else self.slow[key]
 
     def __delitem__(self, key: Key) -> None:
         super().__delitem__(key)

@@ -21,7 +21,7 @@ from distributed.metrics import context_meter
 from distributed.protocol.compression import decompress, get_compression_settings
 from distributed.protocol.serialize import merge_and_deserialize, serialize_bytelist
 from distributed.sizeof import safe_sizeof
-from distributed.spill import SpilledSize
+from distributed.spill import PickleError, SpilledSize
 
 from dask_shm._core import FileStore, SpillFileError
 
@@ -29,19 +29,13 @@ from dask_shm._core import FileStore, SpillFileError
 _MAX_STEM = 200
 
 
+# PickleError is stock's class on purpose: it is what a caller of a stock
+# SpillBuffer sees when a value too large for memory fails to pickle, so
+# `except` clauses written against stock keep working with ours.
+
+
 class MaxSpillExceeded(Exception):
     """Internal: writing the key would take the spill directory past max_spill."""
-
-
-class PickleError(TypeError):
-    """Internal: the key's value could not be serialized."""
-
-    def __str__(self) -> str:
-        return f"Failed to pickle {self.key!r}"
-
-    @property
-    def key(self) -> Key:
-        return self.args[0]
 
 
 def file_stem(key: Key) -> str:
