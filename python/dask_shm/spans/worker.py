@@ -1,0 +1,156 @@
+"""Worker extension: drop-in for ``distributed.spans.SpansWorkerExtension`` that also
+reports how many bytes each span holds on the worker.
+
+The figures travel in the worker's heartbeat *metrics* (``Worker.metrics`` entry
+:data:`METRIC_NAME`), not in the extension's own heartbeat payload, so a worker with
+this extension still talks to a scheduler running the stock spans extension (which
+ignores the entry), and vice versa.
+
+Per key, bytes are read from ``worker.data``:
+
+- a SpillBuffer (stock ``distributed.spill.SpillBuffer`` or ``dask_shm.SpillBuffer``):
+  ``data.fast.weights[key]`` is in memory, ``data._slow_uncached.weight_by_key[key]``
+  is the ``SpilledSize(memory, disk)`` of a spilled key;
+- any other mapping: every key is in memory, sized by the worker's own measurement
+  (``TaskState.nbytes``) or ``sizeof`` when there is none.
+
+Shared-memory hook: if the data mapping has a method ``shared_bytes(key) -> int``, it
+is called for every key and reported as the span's ``shared`` bytes; otherwise shared
+bytes are 0.
+
+Each key is attributed to the span of its task on the worker (``TaskState.span_id``,
+set when the worker computes it). Keys the worker only holds as a replica have no
+span on the worker; they are reported by key and the scheduler attributes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dask.typing import Key
+from distributed.sizeof import safe_sizeof
+from distributed.spans import SpansWorkerExtension as _StockWorkerExtension
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+#: Name of the ``Worker.metrics`` entry carrying the per-span memory report
+METRIC_NAME = "dask_shm_span_memory"
+
+MEMORY, SPILLED, SPILLED_DISK, SHARED = range(4)
+
+
+def _key_figures(worker: Worker) -> Iterable[tuple[Key, list[int]]]:
+    """(key, [memory, spilled, spilled_disk, shared]) for every key in worker.data"""
+    data: Any = worker.data
+    shared_bytes: Callable[[Key], int] | None = getattr(data, "shared_bytes", None)
+    if not callable(shared_bytes):
+        shared_bytes = None
+    fast = getattr(data, "fast", None)
+    weights: Mapping[Key, int] | None = getattr(fast, "weights", None)
+    slow = getattr(data, "_slow_uncached", None)
+    spilled: Mapping[Key, Any] | None = getattr(slow, "weight_by_key", None)
+
+    if weights is not None and spilled is not None:
+        for key, weight in list(weights.items()):
+            shared = shared_bytes(key) if shared_bytes else 0
+            yield key, [int(weight), 0, 0, shared]
+        for key, size in list(spilled.items()):
+            shared = shared_bytes(key) if shared_bytes else 0
+            yield key, [0, int(size.memory), int(size.disk), shared]
+        return
+
+    tasks = worker.state.tasks
+    for key in list(data):
+        ts = tasks.get(key)
+        nbytes = ts.nbytes if ts is not None else None
+        if nbytes is None:
+            try:
+                nbytes = safe_sizeof(data[key])
+            except KeyError:  # released meanwhile
+                continue
+        shared = shared_bytes(key) if shared_bytes else 0
+        yield key, [int(nbytes), 0, 0, shared]
+
+
+def memory_by_span(worker: Worker) -> tuple[dict[str, list[int]], list[tuple[Key, list[int]]]]:
+    """Bytes held by the worker per span id, as ``{span_id: [memory, spilled,
+    spilled_disk, shared]}``, plus the per-key figures of the keys that have no span
+    on this worker."""
+    tasks = worker.state.tasks
+    by_span: dict[str, list[int]] = {}
+    by_key: list[tuple[Key, list[int]]] = []
+    for key, figures in _key_figures(worker):
+        ts = tasks.get(key)
+        span_id = ts.span_id if ts is not None else None
+        if span_id is None:
+            by_key.append((key, figures))
+            continue
+        acc = by_span.get(span_id)
+        if acc is None:
+            by_span[span_id] = figures
+        else:
+            for i, v in enumerate(figures):
+                acc[i] += v
+    return by_span, by_key
+
+
+def memory_report(worker: Worker) -> dict[str, Any]:
+    """The heartbeat payload: ``{"by_span": {span_id: [memory, spilled, spilled_disk,
+    shared]}, "by_key": [(key, [memory, spilled, spilled_disk, shared]), ...]}``."""
+    by_span, by_key = memory_by_span(worker)
+    return {"by_span": by_span, "by_key": by_key}
+
+
+class SpansWorkerExtension(_StockWorkerExtension):
+    """Drop-in for :class:`distributed.spans.SpansWorkerExtension`
+    (``collect_digests`` and ``heartbeat`` unchanged) that adds the per-span memory
+    report to the worker's heartbeat metrics."""
+
+    def __init__(self, worker: Worker):
+        super().__init__(worker)
+        worker.metrics[METRIC_NAME] = memory_report
+        from dask_shm.spans.prometheus import register_worker_extension
+
+        register_worker_extension(self)
+
+    def close(self) -> None:
+        """Stop reporting memory (called by ``Worker.close``)."""
+        if self.worker.metrics.get(METRIC_NAME) is memory_report:
+            del self.worker.metrics[METRIC_NAME]
+
+    def cumulative_spill_by_span(self) -> dict[str, dict[str, float]]:
+        """``{span_id: spill metrics}`` accumulated by this worker since it started
+        (see :attr:`dask_shm.spans.Span.spill_metrics`)."""
+        from dask_shm.spans.span import SPILL_METRICS, spill_metrics_into
+
+        per_span: dict[str, dict[tuple[Hashable, ...], float]] = {}
+        for key, value in list(self.worker.digests_total.items()):
+            if isinstance(key, tuple) and len(key) >= 4 and key[0] in ("execute", "p2p"):
+                span_id = key[1]
+                if isinstance(span_id, str):
+                    per_span.setdefault(span_id, {})[key] = value
+        out = {}
+        for span_id, metrics in per_span.items():
+            figures = dict.fromkeys(SPILL_METRICS, 0.0)
+            spill_metrics_into(figures, metrics)
+            if any(figures.values()):
+                out[span_id] = figures
+        return out
+
+
+def install_worker_extension(worker: Worker) -> SpansWorkerExtension:
+    """Make :class:`SpansWorkerExtension` the worker's ``"spans"`` extension and
+    return it, carrying over metrics the previous extension collected but hasn't
+    sent yet. Idempotent. Call it on the worker's event loop (e.g. from a preload or
+    worker plugin)."""
+    current = worker.extensions.get("spans")
+    if isinstance(current, SpansWorkerExtension):
+        return current
+    ext = SpansWorkerExtension(worker)
+    pending = getattr(current, "digests_total_since_heartbeat", None)
+    if pending:
+        ext.digests_total_since_heartbeat = dict(pending)
+    worker.extensions["spans"] = ext
+    return ext
