@@ -1,9 +1,11 @@
 //! `dask_shm._core`: the Rust half of dask-shm. This file only wires the
 //! Python module; each concern lives in its own module.
 
+mod amm;
 pub mod format;
 pub mod ledger;
 mod local_transport;
+mod py_amm;
 mod py_buffers;
 mod py_store;
 pub mod store;
@@ -16,6 +18,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FRAME_ALIGNMENT", format::ALIGN)?;
     m.add_class::<py_store::FileStore>()?;
     m.add_class::<py_buffers::MappedFile>()?;
+    m.add_class::<py_amm::AmmWorkerTable>()?;
+    m.add_class::<local_transport::MappedRange>()?;
     m.add_function(wrap_pyfunction!(local_transport::map_frames, m)?)?;
     m.add_function(wrap_pyfunction!(local_transport::buffer_address, m)?)?;
     m.add_function(wrap_pyfunction!(local_transport::py_pages_unmodified, m)?)?;

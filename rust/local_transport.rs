@@ -11,6 +11,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::ptr;
 
 use memmap2::{MmapMut, MmapOptions};
 use pyo3::exceptions::PyBufferError;
@@ -87,6 +88,93 @@ pub fn buffer_address(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
         ffi::PyBuffer_Release(&mut view);
         Ok(out)
     }
+}
+
+/// A byte range of a [`MappedFile`], exported through the buffer protocol
+/// (writable: the mapping is private) and weakly referenceable, so the owner
+/// of the file can learn when the last consumer of the range is gone. Any
+/// object built on it (a numpy array, a memoryview, a pyarrow buffer) keeps it,
+/// and through it the mapping, alive.
+#[pyclass(module = "dask_shm._core", frozen, weakref)]
+pub struct MappedRange {
+    mapping: Py<MappedFile>,
+    addr: usize,
+    len: usize,
+}
+
+#[pymethods]
+impl MappedRange {
+    /// `length` bytes of `mapping` starting at `offset`; ValueError if the
+    /// range does not lie inside the mapping.
+    #[new]
+    fn new(mapping: &Bound<'_, MappedFile>, offset: usize, length: usize) -> PyResult<Self> {
+        let (base, size) = buffer_address(mapping.as_any())?;
+        if offset.checked_add(length).is_none_or(|end| end > size) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "range {offset}+{length} is outside a mapping of {size} bytes"
+            )));
+        }
+        Ok(MappedRange {
+            mapping: mapping.clone().unbind(),
+            addr: base + offset,
+            len: length,
+        })
+    }
+
+    #[getter]
+    fn mapping(&self, py: Python<'_>) -> Py<MappedFile> {
+        self.mapping.clone_ref(py)
+    }
+
+    /// Address of the first byte.
+    #[getter]
+    fn address(&self) -> usize {
+        self.addr
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("View is null"));
+        }
+        let this = slf.get();
+        // The range lies in a private mapping kept alive by `mapping`, which
+        // this frozen object holds for as long as any view (holding a
+        // reference to it) exists.
+        (*view).obj = slf.clone().into_any().into_ptr();
+        (*view).buf = this.addr as *mut std::ffi::c_void;
+        (*view).len = this.len as ffi::Py_ssize_t;
+        (*view).readonly = 0;
+        (*view).itemsize = 1;
+        (*view).format = if (flags & ffi::PyBUF_FORMAT) == ffi::PyBUF_FORMAT {
+            c"B".as_ptr() as *mut _
+        } else {
+            ptr::null_mut()
+        };
+        (*view).ndim = 1;
+        (*view).shape = if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND {
+            &mut (*view).len
+        } else {
+            ptr::null_mut()
+        };
+        (*view).strides = if (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
+            &mut (*view).itemsize
+        } else {
+            ptr::null_mut()
+        };
+        (*view).suboffsets = ptr::null_mut();
+        (*view).internal = ptr::null_mut();
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 }
 
 const PM_PRESENT: u64 = 1 << 63;

@@ -70,6 +70,23 @@ class FileStore:
 
 # --- local shared-memory scheduler (rust/local_transport.rs) ---
 
+@final
+class MappedRange:
+    """``length`` bytes of a :class:`MappedFile` from ``offset``, exported through
+    the buffer protocol (writable, private) and weakly referenceable: objects
+    built on it keep it, and the mapping, alive.
+
+    Raises ValueError if the range is not inside the mapping.
+    """
+
+    def __init__(self, mapping: MappedFile, offset: int, length: int) -> None: ...
+    @property
+    def mapping(self) -> MappedFile: ...
+    @property
+    def address(self) -> int: ...
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
 def map_frames(path: str | PathLike[str]) -> tuple[MappedFile, int, list[tuple[int, int]]]:
     """Map a spill-format file written by any process, copy-on-write.
 

@@ -1,0 +1,146 @@
+"""Configuration of the local scheduler: keys, defaults and validation.
+
+Keys (all under ``dask-shm.local``, settable with ``dask.config.set``):
+
+``shm-directory``
+    Directory under which each computation creates its own 0700 directory of
+    shared-memory files. Default None: ``/dev/shm``, or the system temporary
+    directory (with a warning) if ``/dev/shm`` is missing or not writable.
+``shm-threshold``
+    Buffers of at least this many bytes travel through files; smaller ones go
+    through the pipe inside the pickle. Default ``"64 KiB"``.
+``memory-target``
+    When set and no ``cache=`` is given, :func:`dask_shm.local.get` keeps
+    intermediate results in a :class:`~dask_shm.local.SpillCache` that spills to
+    disk above this size: bytes (int or ``"4 GiB"``), a fraction of RAM
+    (``0.5``) or a percentage (``"50%"``). Default None: a plain dict.
+``spill-directory``
+    Where that cache spills. Default None: dask's ``temporary-directory``, else
+    the system temporary directory.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+
+import dask.config
+import psutil
+from dask.utils import parse_bytes
+
+PREFIX = "dask-shm.local"
+_DEFAULT_THRESHOLD = 64 * 1024
+
+
+def _get(name: str) -> object:
+    return dask.config.get(f"{PREFIX}.{name}", None)
+
+
+def parse_size(value: object, key: str) -> int:
+    """A positive byte count from an int or a string such as ``"64 KiB"``.
+
+    Raises ValueError naming ``key`` and the accepted values.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = parse_bytes(value) if isinstance(value, str) else int(value)  # type: ignore[call-overload]
+        if isinstance(value, float) and value != n:
+            raise TypeError
+    except (TypeError, ValueError):
+        n = 0
+    if n <= 0:
+        raise ValueError(
+            f"{key} must be a positive number of bytes (an int or a string such as "
+            f"'64 KiB'); got {value!r}"
+        )
+    return n
+
+
+def parse_memory_target(value: object, key: str = "memory_target") -> int:
+    """Bytes from an int, a byte string (``"4 GiB"``), a fraction of RAM in
+    ``(0, 1]`` (``0.5``) or a percentage string (``"50%"``).
+
+    Raises ValueError naming ``key`` and the accepted values.
+    """
+    error = ValueError(
+        f"{key} must be a number of bytes (an int or a string such as '4 GiB'), a fraction "
+        f"of RAM in (0, 1] such as 0.5, or a percentage such as '50%'; got {value!r}"
+    )
+    total = psutil.virtual_memory().total
+    if isinstance(value, bool):
+        raise error
+    if isinstance(value, float):
+        if 0 < value <= 1:
+            return max(1, int(total * value))
+        raise error
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            percent = float(value.strip()[:-1])
+        except ValueError:
+            raise error from None
+        if 0 < percent <= 100:
+            return max(1, int(total * percent / 100))
+        raise error
+    try:
+        return parse_size(value, key)
+    except ValueError:
+        raise error from None
+
+
+def shm_threshold(value: object = None) -> int:
+    """The threshold from the argument, else the config, else 64 KiB."""
+    if value is not None:
+        return parse_size(value, "shm_threshold")
+    configured = _get("shm-threshold")
+    if configured is None:
+        return _DEFAULT_THRESHOLD
+    return parse_size(configured, f"{PREFIX}.shm-threshold")
+
+
+def memory_target(value: object = None) -> int | None:
+    """The cache target from the argument, else the config; None if neither."""
+    if value is not None:
+        return parse_memory_target(value, "memory_target")
+    configured = _get("memory-target")
+    if configured is None:
+        return None
+    return parse_memory_target(configured, f"{PREFIX}.memory-target")
+
+
+def _checked_directory(value: object, key: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a directory path (a non-empty string); got {value!r}")
+    return value
+
+
+def spill_directory() -> str:
+    """Parent directory for spilling caches."""
+    configured = _checked_directory(_get("spill-directory"), f"{PREFIX}.spill-directory")
+    return configured or dask.config.get("temporary-directory", None) or tempfile.gettempdir()
+
+
+def make_shm_directory() -> str:
+    """Create this computation's directory of shared-memory files (mode 0700).
+
+    Under ``dask-shm.local.shm-directory`` if set (OSError if that fails),
+    else under ``/dev/shm``, else, with a RuntimeWarning, under the system
+    temporary directory.
+    """
+    prefix = "dask-shm-local-"
+    base = _checked_directory(_get("shm-directory"), f"{PREFIX}.shm-directory")
+    if base is not None:
+        return tempfile.mkdtemp(prefix=prefix, dir=base)
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm")
+    except OSError as e:
+        fallback = tempfile.gettempdir()
+        warnings.warn(
+            f"/dev/shm is not usable ({e}); dask_shm.get puts its files in {fallback}, "
+            "which may be a disk: large transfers will be slower",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return tempfile.mkdtemp(prefix=prefix, dir=fallback)

@@ -1,0 +1,231 @@
+"""``dask_shm.local.get``: dask's process-pool scheduler with a shared-memory transport."""
+
+from __future__ import annotations
+
+import multiprocessing.pool
+import os
+import threading
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
+from contextlib import ExitStack
+from functools import partial
+from typing import Any
+
+from dask import config as dask_config
+from dask.local import MultiprocessingPoolExecutor, get_async
+from dask.multiprocessing import (
+    _process_get_id,
+    get_context,
+    initialize_worker_process,
+    pack_exception,
+    reraise,
+)
+from dask.optimization import cull, fuse
+from dask.system import CPU_COUNT
+from dask.typing import Key
+from dask.utils import ensure_dict
+
+from dask_shm.local import config
+from dask_shm.local.cache import SpillCache
+from dask_shm.local.transport import Transport
+
+
+class _TrackedSubmit:
+    """``submit`` that remembers unfinished futures, so that the files'
+    directory is only removed once no pool process can still be using it."""
+
+    def __init__(self, submit: Callable[..., Future[Any]]):
+        self._submit = submit
+        self._lock = threading.Lock()
+        self.pending: set[Future[Any]] = set()
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+        fut = self._submit(fn, *args, **kwargs)
+        with self._lock:
+            self.pending.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self.pending.discard(fut)
+
+    def drain(self) -> None:
+        """Cancel what has not started and wait for what is running."""
+        with self._lock:
+            futures = list(self.pending)
+        for fut in futures:
+            fut.cancel()
+        for fut in futures:
+            try:
+                fut.exception()
+            except CancelledError:
+                pass
+
+
+def _kill_pool(pool: ProcessPoolExecutor) -> None:
+    """Stop our own pool now: cancel queued work and terminate its processes.
+
+    Python 3.14 has ``ProcessPoolExecutor.terminate_workers``; before that the
+    processes are only reachable through ``_processes``.
+    """
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in processes:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def get(
+    dsk: Mapping[Key, Any],
+    keys: Sequence[Key] | Key,
+    num_workers: int | None = None,
+    *,
+    pool: Executor | multiprocessing.pool.Pool | None = None,
+    initializer: Callable[[], None] | None = None,
+    chunksize: int | None = None,
+    optimize_graph: bool = True,
+    cache: MutableMapping[Key, Any] | None = None,
+    memory_target: int | float | str | None = None,
+    shm_threshold: int | str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run a dask graph on a process pool, moving large buffers through
+    shared-memory files instead of pipes.
+
+    Use as ``dask.compute(x, scheduler=dask_shm.get)`` or
+    ``dask.config.set(scheduler=dask_shm.get)``. Built on
+    ``dask.local.get_async`` exactly like ``dask.multiprocessing.get`` (same
+    pool, ``spawn`` context by default, ``chunksize``, graph culling and
+    fusion); only what crosses to the pool differs: objects are pickled with
+    protocol 5 and every buffer of at least ``shm_threshold`` bytes is written
+    once into a file of this computation's 0700 directory under ``/dev/shm``
+    and mapped by whoever reads it (see :mod:`dask_shm.local.transport`).
+
+    Guarantees
+    ----------
+    - Results are ordinary Python objects. Their large buffers (e.g. numpy
+      arrays) are *mapped*, not copied: private, writable, copy-on-write
+      mappings of files that are already deleted; the memory is freed when the
+      objects are garbage collected.
+    - The directory and all its files are gone when ``get`` returns or raises:
+      on success, on a task error, on KeyboardInterrupt and when a pool process
+      dies (that raises ``BrokenProcessPool``, as with
+      ``scheduler="processes"``).
+    - A task error is raised in the caller with the task's exception type,
+      message and remote traceback, as with ``scheduler="processes"``;
+      ``rerun_exceptions_locally=True`` re-runs the failing task in the
+      caller's process to raise it there.
+
+    Parameters
+    ----------
+    num_workers:
+        Pool size; default ``dask.config`` ``num_workers``, else the CPU count.
+    pool:
+        An existing ``concurrent.futures.Executor`` or ``multiprocessing.Pool``
+        (also read from ``dask.config`` ``pool``). It is not shut down; on
+        failure, running tasks are waited for before the files are removed.
+    initializer, chunksize, optimize_graph:
+        As for ``dask.multiprocessing.get``.
+    cache:
+        Mapping for intermediate results, e.g. a :class:`SpillCache`.
+    memory_target:
+        If given (or ``dask-shm.local.memory-target`` is set) and ``cache`` is
+        not, intermediates go to a :class:`SpillCache` with this target,
+        created for this computation and deleted at its end.
+    shm_threshold:
+        Smallest buffer, in bytes, that travels through a file (default
+        ``dask-shm.local.shm-threshold``, 64 KiB).
+    **kwargs:
+        Passed to ``dask.local.get_async`` (``callbacks``,
+        ``rerun_exceptions_locally``, ...).
+
+    Raises
+    ------
+    TypeError
+        ``func_dumps``/``func_loads`` were given: this scheduler serializes
+        with its own transport.
+    ValueError
+        A bad ``memory_target``, ``shm_threshold`` or ``dask-shm.local.*``
+        config value (the message names it and the accepted values).
+    """
+    for name in ("func_dumps", "func_loads"):
+        if kwargs.pop(name, None) is not None:
+            raise TypeError(f"dask_shm.get does its own serialization; {name} is not supported")
+    threshold = config.shm_threshold(shm_threshold)
+    target = config.memory_target(memory_target) if cache is None else None
+    chunksize = chunksize or dask_config.get("chunksize", 6)
+    pool = pool or dask_config.get("pool", None)
+    initializer = initializer or dask_config.get("multiprocessing.initializer", None)
+    num_workers = num_workers or dask_config.get("num_workers", None) or CPU_COUNT
+
+    if hasattr(dsk, "__dask_graph__"):
+        dsk = dsk.__dask_graph__()
+    dsk = ensure_dict(dsk)
+    dsk2, dependencies = cull(dsk, keys)
+    if optimize_graph:
+        dsk3, dependencies = fuse(dsk2, keys, dependencies)
+    else:
+        dsk3 = dsk2
+
+    with ExitStack() as stack:
+        if target is not None:
+            cache = stack.enter_context(SpillCache(target))
+        transport = Transport(config.make_shm_directory(), threshold)
+        stack.callback(transport.close)
+
+        own_pool = pool is None
+        executor: Executor
+        if pool is None:
+            # As dask.multiprocessing.get: consistent hashing in the pool.
+            if os.environ.get("PYTHONHASHSEED") in (None, "0"):
+                os.environ["PYTHONHASHSEED"] = "6640"
+            executor = ProcessPoolExecutor(
+                num_workers,
+                mp_context=get_context(),
+                initializer=partial(initialize_worker_process, user_initializer=initializer),
+            )
+        elif isinstance(pool, multiprocessing.pool.Pool):
+            executor = MultiprocessingPoolExecutor(pool)
+        else:
+            executor = pool
+        submit = _TrackedSubmit(executor.submit)
+
+        succeeded = False
+        try:
+            result = get_async(
+                submit,
+                executor._max_workers,  # type: ignore[attr-defined]
+                dsk3,
+                keys,
+                cache=cache,
+                get_id=_process_get_id,
+                dumps=transport.dumps,
+                loads=transport.loads,
+                pack_exception=pack_exception,
+                raise_exception=reraise,
+                chunksize=chunksize,
+                **kwargs,
+            )
+            succeeded = True
+        finally:
+            # Stop every pool process from touching the directory before
+            # transport.close() (registered above) removes it.
+            if own_pool:
+                assert isinstance(executor, ProcessPoolExecutor)
+                if succeeded:
+                    executor.shutdown(wait=True)
+                else:
+                    _kill_pool(executor)
+            else:
+                submit.drain()
+    return result

@@ -1,0 +1,332 @@
+"""Shared-memory handoff between the parent and the pool processes.
+
+:class:`Transport` provides the ``dumps``/``loads`` pair that
+``dask.local.get_async`` uses for what crosses to the pool. An object is pickled
+with protocol 5 (cloudpickle, so lambdas and closures work): buffers of at
+least ``threshold`` bytes leave the pickle stream *out of band* and are written
+once into one spill-format file of the computation's directory; the message
+that crosses the pipe is the small pickle stream plus ``(file, frame, start,
+stop)`` references. Readers map the files copy-on-write (nothing is copied;
+writes by a task stay private to its process).
+
+Written once: a buffer that already lives in a mapping of one of our files and
+whose pages were never written (checked in ``/proc/self/pagemap``) is sent as
+a reference to that file rather than copied again. In the parent this is every
+intermediate result going back out to a dependent task; in a pool process it
+is an output that is a view of an input.
+
+Lifetime (decided in the parent, the only process that deletes files): a file
+lives while the parent holds a live mapping of it or a task message naming it
+is in flight (until its reply is loaded). Pool processes only reuse files of
+the task they are running, which are pinned until the parent has read their
+reply. Whatever is left is removed with the directory by :meth:`Transport.close`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import sys
+import threading
+import weakref
+from collections.abc import Iterable
+from itertools import count
+from typing import Any
+
+import cloudpickle
+
+from dask_shm._core import (
+    FileStore,
+    MappedFile,
+    MappedRange,
+    buffer_address,
+    map_frames,
+    pages_unmodified,
+)
+
+#: ``(file name, frame index, start, stop)``: one out-of-band buffer.
+Ref = tuple[str, int, int, int]
+#: What crosses the pipe: ``(pickle stream, refs, message id, reply to)``.
+#: Task messages from the parent carry a message id; replies from the pool
+#: name the task message they answer; both are 0 otherwise.
+Message = tuple[bytes, tuple[Ref, ...], int, int]
+
+#: Pool-process endpoints kept per directory (a user-supplied pool outlives
+#: computations; older directories are forgotten).
+_MAX_ENDPOINTS = 4
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle with protocol 5 that gives big non-contiguous numpy arrays a
+    contiguous out-of-band copy instead of numpy's in-band ``tobytes`` fallback."""
+
+    def __init__(self, file: io.BytesIO, threshold: int, buffer_callback: Any):
+        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
+        self._threshold = threshold
+
+    def reducer_override(self, obj: Any) -> Any:
+        np = sys.modules.get("numpy")
+        if (
+            np is not None
+            and type(obj) is np.ndarray
+            and obj.nbytes >= self._threshold
+            and not (obj.flags.c_contiguous or obj.flags.f_contiguous)
+            and not obj.dtype.hasobject
+        ):
+            return np.ascontiguousarray(obj).__reduce_ex__(5)
+        return super().reducer_override(obj)
+
+
+class _Mapping:
+    """One live mapping of one file in this process, with the ranges handed out."""
+
+    __slots__ = ("name", "mapped", "base", "size", "frames", "live")
+
+    def __init__(self, name: str, mapped: MappedFile, base: int, frames: list[tuple[int, int]]):
+        self.name = name
+        self.mapped = mapped
+        self.base = base
+        self.size = len(mapped)
+        self.frames = frames
+        self.live = 0
+
+
+class _Endpoint:
+    """Per-process, per-directory state: the file store this process writes
+    with, the live mappings it can reuse, and (in the owner, i.e. the parent)
+    the reference counts that decide when a file is deleted."""
+
+    def __init__(self, directory: str, owner_pid: int):
+        self.directory = directory
+        self.is_owner = os.getpid() == owner_pid
+        self.store = FileStore(directory)
+        self.lock = threading.RLock()
+        self.mappings: dict[int, _Mapping] = {}
+        self.refcounts: dict[str, int] = {}
+        self.inflight: dict[int, tuple[str, ...]] = {}
+        self.ids = count(1)
+        self.local = threading.local()
+        self.closed = False
+        self.stem = f"p{os.getpid()}"
+
+    # --- reference counting (owner only) ------------------------------------
+    def _acquire(self, names: Iterable[str]) -> None:
+        with self.lock:
+            for name in names:
+                self.refcounts[name] = self.refcounts.get(name, 0) + 1
+
+    def _release(self, names: Iterable[str]) -> None:
+        doomed = []
+        with self.lock:
+            if self.closed:
+                return
+            for name in names:
+                left = self.refcounts.get(name, 0) - 1
+                if left > 0:
+                    self.refcounts[name] = left
+                else:
+                    self.refcounts.pop(name, None)
+                    doomed.append(name)
+        for name in doomed:
+            self._delete(name)
+
+    def _delete(self, name: str) -> None:
+        if name in self.store:
+            self.store.delete(name)
+            return
+        try:
+            os.unlink(os.path.join(self.directory, name))
+        except FileNotFoundError:
+            pass
+
+    # --- mapping ------------------------------------------------------------
+    def _range_died(self, key: int) -> None:
+        with self.lock:
+            mapping = self.mappings.get(key)
+            if mapping is None:
+                return
+            mapping.live -= 1
+            if mapping.live > 0:
+                return
+            del self.mappings[key]
+        if self.is_owner:
+            self._release([mapping.name])
+
+    def open_ranges(self, refs: tuple[Ref, ...]) -> list[MappedRange]:
+        """One exported range per ref, mapping each named file once."""
+        opened: dict[str, tuple[int, _Mapping]] = {}
+        ranges = []
+        for name, frame, start, stop in refs:
+            if name not in opened:
+                mapped, base, frames = map_frames(os.path.join(self.directory, name))
+                mapping = _Mapping(name, mapped, base, frames)
+                opened[name] = (id(mapping), mapping)
+                with self.lock:
+                    self.mappings[id(mapping)] = mapping
+                if self.is_owner:
+                    self._acquire([name])
+            key, mapping = opened[name]
+            offset, length = mapping.frames[frame]
+            if not 0 <= start <= stop <= length:
+                raise ValueError(f"reference {start}:{stop} outside frame {frame} of {name}")
+            rng = MappedRange(mapping.mapped, offset + start, stop - start)
+            with self.lock:
+                mapping.live += 1
+            weakref.finalize(rng, self._range_died, key).atexit = False
+            ranges.append(rng)
+        return ranges
+
+    def find(self, addr: int, length: int, allowed: frozenset[str] | None) -> Ref | None:
+        """A reference to a live, unmodified mapping that holds these bytes."""
+        with self.lock:
+            candidates = [
+                m
+                for m in self.mappings.values()
+                if m.base <= addr
+                and addr + length <= m.base + m.size
+                and (allowed is None or m.name in allowed)
+            ]
+        for m in candidates:
+            for i, (offset, flen) in enumerate(m.frames):
+                start = addr - (m.base + offset)
+                if 0 <= start and start + length <= flen:
+                    try:
+                        if not pages_unmodified(addr, length):
+                            return None
+                    except OSError:
+                        return None
+                    return (m.name, i, start, start + length)
+        return None
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.mappings.clear()
+            self.refcounts.clear()
+            self.inflight.clear()
+
+
+_endpoints: dict[str, _Endpoint] = {}
+_endpoints_lock = threading.Lock()
+
+
+def _endpoint(directory: str, owner_pid: int) -> _Endpoint:
+    with _endpoints_lock:
+        ep = _endpoints.get(directory)
+        if ep is None or ep.closed:
+            ep = _endpoints[directory] = _Endpoint(directory, owner_pid)
+            while len(_endpoints) > _MAX_ENDPOINTS:
+                del _endpoints[next(iter(_endpoints))]
+        return ep
+
+
+class Transport:
+    """The ``dumps``/``loads`` pair of one computation, bound to its directory.
+
+    Picklable: a pool process unpickling it joins the same directory. Created
+    in the parent, which owns the files; :meth:`close` (parent only) deletes
+    the directory with everything in it, whatever is still mapped anywhere
+    (mappings outlive the files).
+
+    ``dumps`` raises whatever pickling raises (e.g. ``PicklingError``) and
+    OSError if a file cannot be written; ``loads`` raises OSError
+    (FileNotFoundError, ...) or :class:`dask_shm.SpillFileError` if a referenced
+    file is missing or damaged.
+    """
+
+    def __init__(self, directory: str, threshold: int, owner_pid: int | None = None):
+        if threshold < 1:
+            raise ValueError(f"threshold must be a positive number of bytes; got {threshold!r}")
+        self.directory = directory
+        self.threshold = threshold
+        self.owner_pid = os.getpid() if owner_pid is None else owner_pid
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Transport, (self.directory, self.threshold, self.owner_pid))
+
+    def __repr__(self) -> str:
+        return f"<Transport {self.directory} threshold={self.threshold}>"
+
+    @property
+    def _ep(self) -> _Endpoint:
+        return _endpoint(self.directory, self.owner_pid)
+
+    def dumps(self, obj: object) -> Message:
+        """Serialize ``obj`` for the other side; see the module docstring."""
+        ep = self._ep
+        threshold = self.threshold
+        big: list[pickle.PickleBuffer] = []
+
+        def keep_small_in_band(buf: pickle.PickleBuffer) -> bool:
+            with buf.raw() as raw:
+                if raw.nbytes < threshold:
+                    return True
+            big.append(buf)
+            return False
+
+        stream = io.BytesIO()
+        _Pickler(stream, threshold, keep_small_in_band).dump(obj)
+        payload = stream.getvalue()
+
+        current = getattr(ep.local, "task", None)
+        if current is not None:
+            # The reply of the task this thread is running. Outside the parent,
+            # only that task's files are sure to exist until the reply is read.
+            ep.local.task = None
+            msg_id, reply_to = 0, current[0]
+            allowed = None if ep.is_owner else current[1]
+        elif ep.is_owner:
+            msg_id, reply_to, allowed = next(ep.ids), 0, None
+        else:
+            msg_id, reply_to, allowed = 0, 0, frozenset()
+
+        refs: list[Ref] = []
+        fresh: list[tuple[int, memoryview]] = []
+        for buf in big:
+            raw = buf.raw()
+            ref = ep.find(*buffer_address(raw), allowed) if raw.nbytes else None
+            if ref is None:
+                fresh.append((len(refs), raw))
+                refs.append(("", 0, 0, 0))
+            else:
+                refs.append(ref)
+        if fresh:
+            frames = [raw for _, raw in fresh]
+            stored = ep.store.put(ep.stem, frames, sum(f.nbytes for f in frames))
+            assert stored is not None, "FileStore.put without max_disk always stores"
+            for k, (i, raw) in enumerate(fresh):
+                refs[i] = (stored[0], k, 0, raw.nbytes)
+        final = tuple(refs)
+        if msg_id and final:
+            # Pin the files until the reply to this task has been loaded.
+            names = tuple({r[0] for r in final})
+            with ep.lock:
+                ep.inflight[msg_id] = names
+            ep._acquire(names)
+        return (payload, final, msg_id, reply_to)
+
+    def loads(self, message: Message) -> Any:
+        """Rebuild what ``dumps`` serialized, mapping its files."""
+        payload, refs, msg_id, reply_to = message
+        ep = self._ep
+        if msg_id:
+            ep.local.task = (msg_id, frozenset(r[0] for r in refs))
+        ranges = ep.open_ranges(refs) if refs else []
+        try:
+            return pickle.loads(payload, buffers=ranges)
+        finally:
+            del ranges
+            if reply_to and ep.is_owner:
+                with ep.lock:
+                    names = ep.inflight.pop(reply_to, ())
+                ep._release(names)
+
+    def close(self) -> None:
+        """Delete the directory and everything in it; forget all state. Parent only."""
+        with _endpoints_lock:
+            ep = _endpoints.pop(self.directory, None)
+        if ep is not None:
+            ep.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
