@@ -2,8 +2,8 @@
 
 Three routes, from most to least explicit:
 
-- ``Worker(data=dask_shm.worker_data(memory_limit="4GiB"))`` (also through
-  ``LocalCluster(worker_kwargs={"data": ...})``): the buffer is built when the
+- ``Worker(data=dask_shm.worker_data(memory_limit="4GiB"))`` (also
+  ``LocalCluster(data=...)``, which passes it on to every worker): built when the
   worker starts, sized from ``memory_limit`` and the worker's memory config
   exactly as ``WorkerMemoryManager`` sizes the stock buffer;
 - ``client.register_plugin(dask_shm.SpillBufferPlugin())``: swaps the buffer of
