@@ -106,3 +106,49 @@ def pages_unmodified(addr: int, length: int) -> bool:
     mapped from its file (read from ``/proc/self/pagemap``). The range must lie
     in a live private file mapping. Raises OSError if pagemap is unreadable.
     """
+
+@final
+class AmmWorkerTable:
+    """Per-run table of worker memory and status for the Active Memory Manager.
+
+    Workers are indices ``0..n``. Choices are returned as a worker index (>= 0) or a
+    negative rejection code. Tie rule: lowest index wins. Raises IndexError for an
+    out-of-range index and ValueError for inconsistent lengths/offsets.
+    """
+
+    def __init__(self, memory: list[int], running: list[bool], eligible: list[bool]) -> None: ...
+    def __len__(self) -> int: ...
+    def memory(self, w: int) -> int: ...
+    def set_memory(self, w: int, value: int) -> None: ...
+    def replicate(
+        self, candidates: list[int] | None, holders: list[int], pending: list[int], nbytes: int
+    ) -> int:
+        """Lowest-memory eligible candidate (all if None) outside holders and pending;
+        its memory grows by ``nbytes``."""
+    def drop(
+        self,
+        holders: list[int],
+        pending: list[int],
+        candidates: list[int] | None,
+        dependents: list[int],
+        nbytes: int,
+    ) -> int:
+        """Holder to drop a replica: not pending, no dependents processing there,
+        highest (not running, memory); never the last replica; ping-pong guard."""
+    def replicate_many(
+        self, nbytes: list[int], excluded: list[int], offsets: list[int]
+    ) -> list[int]:
+        """``replicate(None, excluded[offsets[i]:offsets[i+1]], [], nbytes[i])`` in turn."""
+    def drop_many(
+        self,
+        nbytes: list[int],
+        counts: list[int],
+        holders: list[int],
+        holder_offsets: list[int],
+        pending: list[int],
+        pending_offsets: list[int],
+        dependents: list[int],
+        dependent_offsets: list[int],
+        candidate: int | None = None,
+    ) -> list[int]:
+        """``counts[i]`` consecutive drops of key ``i``; accepted drops become pending."""

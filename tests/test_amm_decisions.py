@@ -1,0 +1,220 @@
+"""Differential tests: our AMM against stock on randomized fake scheduler states.
+
+Both managers run on the *same* state objects (an AMM run only reads the state and
+asks the scheduler to enact, which the fake records), with memory values chosen so
+that every choice stock makes is unique. Decisions must be identical.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, MutableSet
+from typing import Any
+
+import distributed.active_memory_manager as stock
+import pytest
+from amm_state import FakeScheduler, random_state
+from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
+from distributed.core import Status
+
+import dask_shm.amm as ours
+
+
+class OrderedPolicies(MutableSet):
+    """Insertion-ordered policy set, so both managers run policies in the same order."""
+
+    def __init__(self) -> None:
+        self._d: dict[Any, None] = {}
+
+    def __contains__(self, x: object) -> bool:
+        return x in self._d
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._d))
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def add(self, x: Any) -> None:
+        self._d[x] = None
+
+    def discard(self, x: Any) -> None:
+        self._d.pop(x, None)
+
+
+def make(cls: type, s: FakeScheduler, policies: list) -> Any:
+    amm = cls(s, policies=set(), register=False, start=False, measure="optimistic")
+    amm.policies = OrderedPolicies()
+    for p in policies:
+        amm.add_policy(p)
+    return amm
+
+
+def run_both(s: FakeScheduler, make_policies) -> tuple[set, set, list, list]:
+    """Run stock then ours once each on ``s``; return both decision sets and policies."""
+    sp = make_policies()
+    make(stock.ActiveMemoryManagerExtension, s, sp).run_once()
+    stock_dec = s.take()
+    op = make_policies()
+    make(ours.ActiveMemoryManagerExtension, s, op).run_once()
+    our_dec = s.take()
+    return stock_dec, our_dec, sp, op
+
+
+SEEDS = range(40)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reduce_replicas_same_decisions(seed: int) -> None:
+    rng = random.Random(seed)
+    s = random_state(rng, nworkers=rng.randint(2, 30), ntasks=rng.randint(1, 150))
+    for cls in (stock.ReduceReplicas, ours.ReduceReplicas):
+        stock_dec, our_dec, _, _ = run_both(s, lambda cls=cls: [cls()])
+        assert our_dec == stock_dec
+
+
+def test_reduce_replicas_decides_something() -> None:
+    rng = random.Random(1234)
+    s = random_state(rng, nworkers=10, ntasks=200, max_replicas=6, p_waiters=0)
+    stock_dec, our_dec, _, _ = run_both(s, lambda: [stock.ReduceReplicas()])
+    assert len(stock_dec) > 100
+    assert our_dec == stock_dec
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_retire_worker_same_decisions(seed: int) -> None:
+    rng = random.Random(seed)
+    s = random_state(rng, nworkers=rng.randint(1, 25), ntasks=rng.randint(1, 150))
+    retiring = rng.sample(list(s.workers.values()), rng.randint(1, min(3, len(s.workers))))
+    for ws in retiring:
+        if ws.status == Status.running:
+            ws.status = Status.closing_gracefully
+            s.running.discard(ws)
+
+    def policies() -> list:
+        return [stock.RetireWorker(ws.address) for ws in retiring]
+
+    stock_dec, our_dec, sp, op = run_both(s, policies)
+    assert our_dec == stock_dec
+    assert [p.no_recipients for p in op] == [p.no_recipients for p in sp]
+    assert [p.manager.policies.__contains__(p) for p in op] == [
+        p.manager.policies.__contains__(p) for p in sp
+    ]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mixed_policies_same_decisions(seed: int) -> None:
+    rng = random.Random(seed)
+    s = random_state(rng, nworkers=rng.randint(2, 20), ntasks=rng.randint(1, 120))
+    retiring = rng.choice(list(s.workers.values())).address
+
+    def policies() -> list:
+        return [stock.ReduceReplicas(), stock.RetireWorker(retiring), ours.ReduceReplicas()]
+
+    stock_dec, our_dec, sp, op = run_both(s, policies)
+    assert our_dec == stock_dec
+    assert op[1].no_recipients == sp[1].no_recipients
+
+
+class RandomPolicy(ActiveMemoryManagerPolicy):
+    """A third-party policy on the generator protocol: random suggestions with
+    random candidate sets, which records every choice and what it could inspect."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.log: list[Any] = []
+
+    def run(self):
+        rng = random.Random(self.seed)
+        sched = self.manager.scheduler
+        workers = list(sched.workers.values())
+        tasks = list(sched.tasks.values())
+        for _ in range(rng.randint(0, 300)):
+            ts = rng.choice(tasks)
+            op = rng.choice(["replicate", "drop"])
+            if rng.random() < 0.5:
+                candidates = None
+            else:
+                candidates = set(rng.sample(workers, rng.randint(0, len(workers))))
+            if rng.random() < 0.1:
+                choice = yield (op, ts, candidates)  # legacy tuple form
+            else:
+                choice = yield Suggestion(op, ts, candidates)
+            probe = rng.choice(workers)
+            repl, drop = self.manager.pending[ts]
+            self.log.append(
+                (
+                    op,
+                    ts.key,
+                    choice and choice.address,
+                    self.manager.workers_memory[probe],
+                    sorted(w.address for w in repl),
+                    sorted(w.address for w in drop),
+                )
+            )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_generator_protocol_same_decisions(seed: int) -> None:
+    rng = random.Random(seed)
+    s = random_state(rng, nworkers=rng.randint(1, 20), ntasks=rng.randint(1, 60))
+    stock_dec, our_dec, sp, op = run_both(s, lambda: [RandomPolicy(seed)])
+    assert op[0].log == sp[0].log
+    assert our_dec == stock_dec
+
+
+def test_ties_pick_first_worker() -> None:
+    s = FakeScheduler()
+    a = s.add_worker("a", 100)
+    b = s.add_worker("b", 100)
+    c = s.add_worker("c", 100)
+    s.add_task("x", 10, [a, b, c])
+    s.add_task("y", 10, [c])
+    amm = make(ours.ActiveMemoryManagerExtension, s, [stock.ReduceReplicas()])
+    amm.run_once()
+    # Dropper ties (a, b, c all at 100): first in scheduler.workers wins, then the
+    # next one (a is now lighter).
+    assert s.take() == {("drop", a.address, "x"), ("drop", b.address, "x")}
+
+
+def test_workers_memory_and_pending_visible_to_policies() -> None:
+    s = FakeScheduler()
+    a = s.add_worker("a", 1000)
+    b = s.add_worker("b", 10)
+    ts = s.add_task("x", 7, [a])
+    seen: list[Any] = []
+
+    class Probe(ActiveMemoryManagerPolicy):
+        def run(self):
+            mem = self.manager.workers_memory
+            seen.append((mem[a], mem[b], len(mem), b in mem))
+            choice = yield Suggestion("replicate", ts)
+            seen.append((choice, mem[b], self.manager.pending[ts]))
+            mem[b] = 5000  # writes go through to the table
+            choice = yield Suggestion("replicate", ts, {a, b})
+            seen.append(choice)
+
+    make(ours.ActiveMemoryManagerExtension, s, [Probe()]).run_once()
+    assert seen == [(1000, 10, 2, True), (b, 17, ({b}, set())), None]
+    assert s.take() == {("replicate", b.address, "x")}
+
+
+def test_bad_suggestion_op_raises() -> None:
+    s = FakeScheduler()
+    a = s.add_worker("a", 1)
+    ts = s.add_task("x", 1, [a])
+
+    class Bad(ActiveMemoryManagerPolicy):
+        def run(self):
+            yield Suggestion("move", ts)  # type: ignore[arg-type]
+
+    amm = make(ours.ActiveMemoryManagerExtension, s, [Bad()])
+    with pytest.raises(ValueError, match="Unknown op"):
+        amm.run_once()
+
+
+def test_bad_measure_names_key() -> None:
+    with pytest.raises(ValueError, match="active-memory-manager.measure"):
+        ours.ActiveMemoryManagerExtension(
+            FakeScheduler(), policies=set(), register=False, start=False, measure="nope"
+        )
