@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from dask_shm.spans.scheduler import RPC_NAME
@@ -28,10 +29,10 @@ COLUMNS = (
 )
 
 
-def _frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+def _frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
     import pandas as pd
 
-    df = pd.DataFrame.from_records(records, columns=["span", *COLUMNS])
+    df = pd.DataFrame.from_records(list(records), columns=["span", *COLUMNS])
     return df.set_index("span")
 
 
@@ -60,13 +61,11 @@ def span_memory(client: Client, *, own: bool = False) -> Any:
 
 
 async def _span_memory_checked(client: Client, own: bool) -> pd.DataFrame:
-    try:
-        records = await getattr(client.scheduler, RPC_NAME)(own=own)
-    except ValueError as e:
-        if RPC_NAME in str(e) or "unknown operation" in str(e).lower():
-            raise RuntimeError(
-                "The scheduler does not run the dask-shm spans extension; install it "
-                "with dask_shm.spans.install_scheduler_extension"
-            ) from e
-        raise
+    records = await getattr(client.scheduler, RPC_NAME)(own=own)
+    if records is None:
+        # A scheduler without the handler logs "No handler ... found" and answers None
+        raise RuntimeError(
+            "The scheduler does not run the dask-shm spans extension; install it "
+            "with dask_shm.spans.install_scheduler_extension"
+        )
     return _frame(records)

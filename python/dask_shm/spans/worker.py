@@ -15,8 +15,9 @@ Per key, bytes are read from ``worker.data``:
   (``TaskState.nbytes``) or ``sizeof`` when there is none.
 
 Shared-memory hook: if the data mapping has a method ``shared_bytes(key) -> int``, it
-is called for every key and reported as the span's ``shared`` bytes; otherwise shared
-bytes are 0.
+is called for every key (in memory or spilled) and reported as the span's ``shared``
+bytes; otherwise shared bytes are 0. A call that raises counts as 0. ``shared`` is
+reported next to ``memory`` / ``spilled``, not subtracted from them.
 
 Each key is attributed to the span of its task on the worker (``TaskState.span_id``,
 set when the worker computes it). Keys the worker only holds as a replica have no
@@ -25,6 +26,7 @@ span on the worker; they are reported by key and the scheduler attributes them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -35,18 +37,35 @@ from distributed.spans import SpansWorkerExtension as _StockWorkerExtension
 if TYPE_CHECKING:
     from distributed import Worker
 
+logger = logging.getLogger(__name__)
+
 #: Name of the ``Worker.metrics`` entry carrying the per-span memory report
 METRIC_NAME = "dask_shm_span_memory"
 
 MEMORY, SPILLED, SPILLED_DISK, SHARED = range(4)
 
 
+def _shared_bytes_of(data: Any) -> Callable[[Key], int] | None:
+    """The data mapping's ``shared_bytes`` hook, made safe: a key it fails on (e.g.
+    released meanwhile) counts as 0 shared bytes."""
+    hook = getattr(data, "shared_bytes", None)
+    if not callable(hook):
+        return None
+
+    def shared_bytes(key: Key) -> int:
+        try:
+            return int(hook(key))
+        except Exception:
+            logger.debug("shared_bytes(%r) failed", key, exc_info=True)
+            return 0
+
+    return shared_bytes
+
+
 def _key_figures(worker: Worker) -> Iterable[tuple[Key, list[int]]]:
     """(key, [memory, spilled, spilled_disk, shared]) for every key in worker.data"""
     data: Any = worker.data
-    shared_bytes: Callable[[Key], int] | None = getattr(data, "shared_bytes", None)
-    if not callable(shared_bytes):
-        shared_bytes = None
+    shared_bytes = _shared_bytes_of(data)
     fast = getattr(data, "fast", None)
     weights: Mapping[Key, int] | None = getattr(fast, "weights", None)
     slow = getattr(data, "_slow_uncached", None)
