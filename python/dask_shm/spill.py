@@ -59,6 +59,11 @@ class SpillBuffer(zict.Buffer[Key, object]):
         Bytes of managed memory above which the least recently used values spill.
     max_spill:
         Limit on the bytes held on disk, or False for no limit.
+    memmap:
+        Unspill through a private (copy-on-write) memory mapping of the file
+        instead of reading it into a new buffer: numpy, pyarrow and
+        non-object pandas data are deserialized without a copy and pages are
+        read lazily on first touch. Writes to such values stay private.
     """
 
     logged_pickle_errors: set[Key]
@@ -70,9 +75,13 @@ class SpillBuffer(zict.Buffer[Key, object]):
         spill_directory: str,
         target: int,
         max_spill: int | Literal[False] = False,
+        *,
+        memmap: bool = False,
     ):
         self.cumulative_metrics = defaultdict(float)
-        slow = SpillStore(spill_directory, max_spill, metrics=self.cumulative_metrics)
+        slow = SpillStore(
+            spill_directory, max_spill, metrics=self.cumulative_metrics, mapped=memmap
+        )
         # A value still referenced elsewhere since its last unspill is served
         # from the weak-value cache instead of being read (and held) twice.
         slow_cached = zict.Cache(slow, zict.WeakValueMapping())

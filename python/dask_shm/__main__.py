@@ -1,0 +1,5 @@
+import sys
+
+from dask_shm.cli import main
+
+sys.exit(main())
