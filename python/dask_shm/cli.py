@@ -66,6 +66,7 @@ def run_spilling_workload(
             processes=True,
             memory_limit=memory_limit,
             dashboard_address=":0",
+            silence_logs=logging.ERROR,
             **extra,
         ) as cluster,
         Client(cluster) as client,
