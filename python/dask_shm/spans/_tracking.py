@@ -39,32 +39,46 @@ class GroupStates(dict):  # type: ignore[type-arg]
     so the group is done (by ``TaskGroup.done``'s definition) iff ``active == 0``.
     """
 
-    __slots__ = ("lineage", "active")
+    __slots__ = ("lineage", "trees", "active")
 
     lineage: tuple[Span, ...]
+    #: ``_tree_states`` of every span in ``lineage`` (saves attribute lookups)
+    trees: tuple[dict[str, int], ...]
     active: int
 
     def __init__(self, states: Mapping[Any, int], lineage: tuple[Span, ...]):
         super().__init__(states)
         self.lineage = lineage
+        self.trees = tuple(sp._tree_states for sp in lineage)
         self.active = sum(1 for s, n in states.items() if n != 0 and s in ACTIVE_STATES)
 
-    def __setitem__(self, state: str, value: int) -> None:
-        old = dict.get(self, state, 0)
-        dict.__setitem__(self, state, value)
+    # This runs twice per task transition on the scheduler: keep it lean.
+    def __setitem__(
+        self,
+        state: str,
+        value: int,
+        _set: Any = dict.__setitem__,
+        _active_states: frozenset[str] = ACTIVE_STATES,
+    ) -> None:
+        try:
+            old = self[state]
+        except KeyError:
+            old = 0
+        _set(self, state, value)
         delta = value - old
         if not delta:
             return
-        lineage = self.lineage
-        for sp in lineage:
-            tree = sp._tree_states
-            tree[state] = tree.get(state, 0) + delta
-        if state in ACTIVE_STATES and (old == 0) != (value == 0):
-            was_done = self.active == 0
-            self.active += 1 if value != 0 else -1
-            if was_done != (self.active == 0):
+        for tree in self.trees:
+            try:
+                tree[state] += delta
+            except KeyError:
+                tree[state] = delta
+        if state in _active_states and (old == 0) is not (value == 0):
+            was_done = not self.active
+            self.active += 1 if value else -1
+            if was_done is not (not self.active):
                 step = 1 if was_done else -1
-                for sp in lineage:
+                for sp in self.lineage:
                     sp._tree_not_done += step
 
     def __reduce__(self) -> tuple[Any, ...]:
