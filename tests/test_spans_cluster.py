@@ -20,7 +20,9 @@ from dask_shm.spans import (
     Span,
     SpanMemory,
     SpansSchedulerExtension,
+    SpansSchedulerPlugin,
     SpansWorkerExtension,
+    SpansWorkerPlugin,
     install_scheduler_extension,
     install_worker_extension,
     span_memory,
@@ -385,6 +387,45 @@ async def test_install_carries_over_stock_state(c: Client, s: Scheduler, a: Work
 async def test_span_memory_needs_our_scheduler_extension(c: Client, s: Scheduler, a, b):
     with pytest.raises(RuntimeError, match="install_scheduler_extension"):
         await span_memory(c)
+
+
+@gen_cluster(client=True)
+async def test_plugins_install_on_running_cluster(c: Client, s: Scheduler, a: Worker, b: Worker):
+    await c.register_plugin(SpansSchedulerPlugin())
+    await c.register_plugin(SpansWorkerPlugin())
+    assert isinstance(s.extensions["spans"], SpansSchedulerExtension)
+    assert all(isinstance(w.extensions["spans"], SpansWorkerExtension) for w in (a, b))
+    with span("plugged"):
+        futs = c.map(block, [8000, 8000], [1, 2], key=["p-1", "p-2"])
+        await c.gather(futs)
+    await a.heartbeat()
+    await b.heartbeat()
+    df = await span_memory(c)
+    assert df.loc["plugged", "memory"] == a.state.nbytes + b.state.nbytes > 0
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    scheduler_kwargs={"preload": ["dask_shm.spans.plugins"]},
+    worker_kwargs={"preload": ["dask_shm.spans.plugins"]},
+)
+async def test_preload_installs_both_extensions(c: Client, s: Scheduler, a: Worker):
+    assert isinstance(s.extensions["spans"], SpansSchedulerExtension)
+    assert isinstance(a.extensions["spans"], SpansWorkerExtension)
+    with span("preloaded"):
+        await c.submit(block, 8000, 1, key="pre-1")
+    await a.heartbeat()
+    df = await span_memory(c)
+    assert list(df.index) == ["preloaded"]
+    assert df.loc["preloaded", "done"]
+
+
+def test_preload_rejects_other_servers() -> None:
+    from dask_shm.spans.plugins import dask_setup
+
+    with pytest.raises(TypeError, match="Scheduler or a Worker"):
+        dask_setup(object())  # type: ignore[arg-type]
 
 
 # --- Prometheus ------------------------------------------------------------------

@@ -5,7 +5,8 @@
   the memory each span holds on the cluster (:attr:`Span.held`, :class:`SpanMemory`)
   and the spilling it caused (:attr:`Span.spill_metrics`);
 - :func:`install_scheduler_extension`, :func:`install_worker_extension`: put them in
-  a running scheduler / worker;
+  a running scheduler / worker; :class:`SpansSchedulerPlugin`,
+  :class:`SpansWorkerPlugin` and the ``dask_shm.spans.plugins`` preload do it for you;
 - :func:`span_memory`: per-span memory and spilling as a pandas DataFrame, from a
   client;
 - :func:`span`: the stock context manager, re-exported.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from distributed.spans import span
 
 from dask_shm.spans.client import span_memory
+from dask_shm.spans.plugins import SpansSchedulerPlugin, SpansWorkerPlugin
 from dask_shm.spans.scheduler import SpansSchedulerExtension, install_scheduler_extension
 from dask_shm.spans.span import Span, SpanMemory
 from dask_shm.spans.worker import SpansWorkerExtension, install_worker_extension
@@ -24,7 +26,9 @@ __all__ = [
     "Span",
     "SpanMemory",
     "SpansSchedulerExtension",
+    "SpansSchedulerPlugin",
     "SpansWorkerExtension",
+    "SpansWorkerPlugin",
     "install_scheduler_extension",
     "install_worker_extension",
     "span",
