@@ -1,0 +1,409 @@
+"""dask_shm.local.get: parity with dask's synchronous scheduler, errors as with
+dask's schedulers, and no shared-memory file left behind whatever happens.
+
+Real process pools (spawn), real files under /dev/shm. Most tests share one
+pool passed as ``pool=`` (the path for user-supplied pools); the tests about
+failures and interruptions let ``get`` create and tear down its own pool.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import dask
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import psutil
+import pytest
+from dask.multiprocessing import get_context
+
+from dask_shm._core import MappedRange
+from dask_shm.local import get
+
+pytestmark = pytest.mark.timeout(120)
+
+BIG = 200_000  # float64 elements: 1.6 MB, far above the 64 KiB threshold
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ProcessPoolExecutor]:
+    with ProcessPoolExecutor(2, mp_context=get_context()) as executor:
+        yield executor
+
+
+@pytest.fixture
+def shm_base() -> Iterator[Path]:
+    """A fresh directory on /dev/shm as ``dask-shm.local.shm-directory``; the
+    test fails if anything is left in it afterwards."""
+    base = Path("/dev/shm") / f"dask-shm-test-{uuid.uuid4().hex[:12]}"
+    base.mkdir(mode=0o700)
+    try:
+        with dask.config.set({"dask-shm.local.shm-directory": str(base)}):
+            yield base
+        leftovers = sorted(str(p.relative_to(base)) for p in base.rglob("*"))
+        assert leftovers == [], f"files left behind: {leftovers}"
+    finally:
+        for p in sorted(base.rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+        base.rmdir()
+
+
+# --- task functions (module level: the pool imports them by reference) ------
+
+
+def big_array(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).random(BIG)
+
+
+def mapped_path(x: object) -> str | None:
+    """Path of the shared-memory file ``x``'s memory is mapped from, if any."""
+    base = x
+    while base is not None:
+        if isinstance(base, MappedRange):
+            return base.mapping.path
+        if isinstance(base, memoryview):
+            base = base.obj
+        else:
+            base = getattr(base, "base", None)
+    return None
+
+
+def describe(x: np.ndarray) -> tuple[str | None, int, bool]:
+    return mapped_path(x), os.getpid(), bool(x.flags.writeable)
+
+
+def increment_in_place(x: np.ndarray) -> np.ndarray:
+    x += 1
+    return x
+
+
+def identity(x: object) -> object:
+    return x
+
+
+def first_half(x: np.ndarray) -> np.ndarray:
+    return x[: len(x) // 2]
+
+
+def total(*xs: np.ndarray) -> float:
+    return float(sum(x.sum() for x in xs))
+
+
+def fail_with_value_error(x: object) -> None:
+    raise ValueError(f"bad input of type {type(x).__name__}")
+
+
+def fail_with_pid(x: object) -> None:
+    raise RuntimeError(f"failed in pid {os.getpid()}")
+
+
+def sleep_then_return(x: object, seconds: float) -> object:
+    time.sleep(seconds)
+    return x
+
+
+def kill_own_process(x: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- parity with the synchronous scheduler ---------------------------------
+
+
+def test_array_workloads_match_sync(pool: ProcessPoolExecutor, shm_base: Path) -> None:
+    x = da.random.RandomState(42).random((1200, 900), chunks=(300, 300))
+    i = da.arange(1200 * 900, chunks=300 * 300).reshape((1200, 900)).rechunk((300, 300))
+    exprs = {
+        "elementwise+reduction": (da.sin(x) * 2 + 1).sum(axis=0),
+        "all-to-all": (x[:900, :900] + x[:900, :900].T).mean(axis=1),
+        "rechunk": x.rechunk((1200, 100)).rechunk((100, 900)) * 3,
+        "matmul": x[:600] @ x[:600].T,
+        "non-contiguous views": x[:, ::3] + x.T[::3, :].T,
+        "integers": (i % 7).astype("int16").cumsum(axis=1),
+        "masking": x[x > 0.5],
+        "argmax": x.argmax(axis=1),
+    }
+    expected = dask.compute(exprs, scheduler="sync")[0]
+    actual = dask.compute(exprs, scheduler=get, pool=pool)[0]
+    assert actual.keys() == expected.keys()
+    for name in exprs:
+        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+        assert actual[name].dtype == expected[name].dtype, name
+
+
+def test_dataframe_workloads_match_sync(pool: ProcessPoolExecutor, shm_base: Path) -> None:
+    rng = np.random.default_rng(0)
+    n = 40_000
+    pdf = pd.DataFrame(
+        {
+            "k": rng.integers(0, 50, n),
+            "v": rng.random(n),
+            "s": pd.array([f"name-{j % 97}" for j in range(n)], dtype="string[pyarrow]"),
+            "o": np.array([f"obj-{j % 13}" for j in range(n)], dtype=object),
+        }
+    )
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    other = dd.from_pandas(pdf[["k"]].drop_duplicates().assign(w=lambda d: d.k * 10), 2)
+    exprs = {
+        "groupby": ddf.groupby("k").v.agg(["sum", "mean", "count"]),
+        "string groupby": ddf.groupby("s").v.sum(),
+        "merge": ddf.merge(other, on="k").w.sum(),
+        "assign+filter": ddf.assign(z=ddf.v * 2)[ddf.o == "obj-3"],
+        "value_counts": ddf.o.value_counts(),
+    }
+    expected = dask.compute(exprs, scheduler="sync")[0]
+    actual = dask.compute(exprs, scheduler=get, pool=pool)[0]
+    for name in exprs:
+        a, e = actual[name], expected[name]
+        if isinstance(e, pd.DataFrame | pd.Series):
+            if isinstance(e, pd.DataFrame):
+                pd.testing.assert_frame_equal(a.sort_index(), e.sort_index(), obj=name)
+            else:
+                pd.testing.assert_series_equal(a.sort_index(), e.sort_index(), obj=name)
+        else:
+            assert a == e, name
+
+
+def test_plain_graph_matches_sync(pool: ProcessPoolExecutor, shm_base: Path) -> None:
+    dsk = {
+        ("a", 0): (big_array, 0),
+        ("a", 1): (big_array, 1),
+        "small": (sum, [1, 2, 3]),
+        "blob": (bytes, 300_000),
+        "bytearray": (bytearray, b"\x07" * 200_000),
+        "pair": (tuple, [[("a", 0), ("a", 1)]]),
+        "half": (first_half, ("a", 0)),
+        "same": (identity, ("a", 1)),
+        "dict": (dict, [["x", ("a", 0)], ["n", "small"]]),
+        "sum": (total, ("a", 0), ("a", 1), "half"),
+    }
+    keys = [["sum", ("a", 1)], "blob", "bytearray", "pair", "dict", "same", "small"]
+    expected = dask.get(dsk, keys)
+    actual = get(dsk, keys, pool=pool)
+    (e_sum, e_a1), e_blob, e_ba, e_pair, e_dict, e_same, e_small = expected
+    (a_sum, a_a1), a_blob, a_ba, a_pair, a_dict, a_same, a_small = actual
+    assert a_sum == e_sum
+    np.testing.assert_array_equal(a_a1, e_a1)
+    assert a_blob == e_blob and type(a_blob) is bytes
+    assert a_ba == e_ba and type(a_ba) is bytearray
+    assert all(np.array_equal(p, q) for p, q in zip(a_pair, e_pair, strict=True))
+    assert a_dict.keys() == e_dict.keys() and a_dict["n"] == e_dict["n"] == 6
+    np.testing.assert_array_equal(a_dict["x"], e_dict["x"])
+    np.testing.assert_array_equal(a_same, e_same)
+    assert a_small == e_small
+
+
+def test_results_are_ordinary_writable_objects(pool: ProcessPoolExecutor, shm_base: Path) -> None:
+    x = da.ones((400, 400), chunks=(200, 400)) * 2
+    (result,) = dask.compute(x, scheduler=get, pool=pool)
+    assert type(result) is np.ndarray and result.flags.writeable
+    result[0, 0] = 5  # private mapping: the write stays here
+    assert result.sum() == 2 * 400 * 400 + 3
+    assert os.listdir(shm_base) == []  # the files are gone; the mapping remains
+
+
+# --- the transport: written once, mapped by readers ------------------------
+
+
+def test_big_buffers_are_written_once_and_mapped_by_readers(
+    pool: ProcessPoolExecutor, shm_base: Path
+) -> None:
+    dsk = {
+        "x": (big_array, 3),
+        "r1": (describe, "x"),
+        "r2": (describe, "x"),
+        "r3": (describe, "x"),
+        "small": (np.arange, 10),
+        "r_small": (describe, "small"),
+    }
+    results = get(dsk, ["r1", "r2", "r3", "r_small"], pool=pool, optimize_graph=False)
+    paths = {path for path, _, _ in results[:3]}
+    assert len(paths) == 1, paths  # every reader mapped the very file "x" was written to
+    (path,) = paths
+    assert path is not None and path.startswith(str(shm_base))
+    assert all(writeable for _, _, writeable in results[:3])
+    assert {pid for _, pid, _ in results} <= {p.pid for p in pool._processes.values()}
+    assert results[3][0] is None  # small objects go through the pipe
+
+
+def test_in_place_writes_by_a_task_stay_in_its_process(
+    pool: ProcessPoolExecutor, shm_base: Path
+) -> None:
+    """A task that mutates its input and returns it sends the new values; the
+    other readers of the same input still see the original (as with stock
+    processes, where every task gets its own copy)."""
+    dsk = {
+        "x": (big_array, 4),
+        "bumped": (increment_in_place, "x"),
+        "same": (identity, "x"),
+        "half": (first_half, "x"),
+    }
+    original = big_array(4)
+    x, bumped, same, half = get(
+        dsk, ["x", "bumped", "same", "half"], pool=pool, optimize_graph=False
+    )
+    np.testing.assert_array_equal(x, original)
+    np.testing.assert_array_equal(bumped, original + 1)
+    np.testing.assert_array_equal(same, original)
+    np.testing.assert_array_equal(half, original[: BIG // 2])
+    # Unmodified outputs that are inputs or views of them are not written
+    # again: they come back as references to the file "x" was written to.
+    assert mapped_path(same) == mapped_path(half) == mapped_path(x) is not None
+    assert mapped_path(bumped) not in (None, mapped_path(x))
+
+
+# --- errors ------------------------------------------------------------------
+
+
+def test_task_errors_surface_as_with_the_sync_scheduler(
+    pool: ProcessPoolExecutor, shm_base: Path
+) -> None:
+    dsk = {"x": (big_array, 5), "y": (fail_with_value_error, "x"), "z": (total, "y")}
+    with pytest.raises(ValueError) as sync_info:
+        dask.get(dsk, "z")
+    with pytest.raises(ValueError) as ours_info:
+        get(dsk, "z", pool=pool)
+    assert type(ours_info.value) is type(sync_info.value)
+    assert str(ours_info.value) == str(sync_info.value) == "bad input of type ndarray"
+    frames = [f.name for f in traceback.extract_tb(ours_info.value.__traceback__)]
+    assert "fail_with_value_error" in frames  # the remote traceback is kept
+
+
+def test_rerun_exceptions_locally_raises_in_the_caller(
+    pool: ProcessPoolExecutor, shm_base: Path
+) -> None:
+    dsk = {"x": (big_array, 6), "y": (fail_with_pid, "x")}
+    with pytest.raises(RuntimeError) as remote:
+        get(dsk, "y", pool=pool)
+    assert str(remote.value) != f"failed in pid {os.getpid()}"
+    with pytest.raises(RuntimeError, match=f"failed in pid {os.getpid()}$"):
+        get(dsk, "y", pool=pool, rerun_exceptions_locally=True)
+    with dask.config.set(rerun_exceptions_locally=True):
+        with pytest.raises(RuntimeError, match=f"failed in pid {os.getpid()}$"):
+            get(dsk, "y", pool=pool)
+
+
+def test_bad_arguments_and_config_are_named(shm_base: Path) -> None:
+    dsk = {"x": 1}
+    with pytest.raises(TypeError, match="func_dumps"):
+        get(dsk, "x", func_dumps=repr)
+    with pytest.raises(ValueError, match=r"shm_threshold must be a positive number of bytes"):
+        get(dsk, "x", shm_threshold=-1)
+    with dask.config.set({"dask-shm.local.shm-threshold": "lots"}):
+        with pytest.raises(ValueError, match=r"dask-shm\.local\.shm-threshold .*'lots'"):
+            get(dsk, "x")
+    with dask.config.set({"dask-shm.local.memory-target": 1.5}):
+        with pytest.raises(ValueError, match=r"dask-shm\.local\.memory-target .*fraction"):
+            get(dsk, "x")
+
+
+def test_fallback_when_dev_shm_is_unusable(
+    pool: ProcessPoolExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import dask_shm.local.config as local_config
+
+    real_mkdtemp = local_config.tempfile.mkdtemp
+
+    def mkdtemp_without_dev_shm(prefix: str, dir: str) -> str:
+        if dir == "/dev/shm":
+            raise PermissionError(13, "Permission denied", dir)
+        return real_mkdtemp(prefix=prefix, dir=dir)
+
+    monkeypatch.setattr(local_config.tempfile, "mkdtemp", mkdtemp_without_dev_shm)
+    monkeypatch.setattr(local_config.tempfile, "gettempdir", lambda: str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="/dev/shm is not usable"):
+        result = get({"x": (big_array, 7), "y": (first_half, "x")}, "y", pool=pool)
+    np.testing.assert_array_equal(result, big_array(7)[: BIG // 2])
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- cleanup on failure, killed process, interruption -------------------------
+
+
+def test_files_removed_and_pool_stopped_after_a_task_error(shm_base: Path) -> None:
+    dsk = {
+        "x": (big_array, 8),
+        "slow": (sleep_then_return, "x", 0.5),
+        "bad": (fail_with_value_error, "x"),
+        "both": (total, "slow", "bad"),
+    }
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match="bad input"):
+        get(dsk, "both", num_workers=2)
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert after <= before
+
+
+def test_files_removed_when_a_pool_process_is_killed(shm_base: Path) -> None:
+    dsk = {
+        "x": (big_array, 9),
+        "y": (big_array, 10),
+        "die": (kill_own_process, "x"),
+        "z": (total, "die", "y"),
+    }
+    with pytest.raises(BrokenProcessPool):
+        get(dsk, "z", num_workers=2)
+
+
+def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "running"
+    script = textwrap.dedent(
+        f"""
+        import pathlib, time
+        import dask, numpy as np
+        from dask_shm.local import get
+
+        def big(seed):
+            return np.random.default_rng(seed).random(500_000)
+
+        def wait_forever(a, b, marker):
+            pathlib.Path(marker).write_text("1")
+            time.sleep(600)
+
+        if __name__ == "__main__":
+            dsk = {{"a": (big, 1), "b": (big, 2), "w": (wait_forever, "a", "b", {str(marker)!r})}}
+            with dask.config.set({{"dask-shm.local.shm-directory": {str(shm_base)!r}}}):
+                try:
+                    get(dsk, "w", num_workers=2)
+                except KeyboardInterrupt:
+                    print("interrupted", flush=True)
+                    raise
+        """
+    )
+    path = tmp_path / "interrupt_me.py"
+    path.write_text(script)
+    proc = subprocess.Popen(
+        [sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the task never started"
+            time.sleep(0.05)
+        # While the task runs, its inputs sit in shared-memory files.
+        assert any(p.is_file() for p in shm_base.rglob("*"))
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "interrupted" in out, err
+    assert "KeyboardInterrupt" in err
+    assert proc.returncode != 0
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert alive == []
