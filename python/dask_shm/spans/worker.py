@@ -75,7 +75,11 @@ def _key_figures(worker: Worker) -> Iterable[tuple[Key, list[int]]]:
         for key, weight in list(weights.items()):
             shared = shared_bytes(key) if shared_bytes else 0
             yield key, [int(weight), 0, 0, shared]
-        for key, size in list(spilled.items()):
+        for key in list(spilled):
+            try:
+                size = spilled[key]
+            except KeyError:  # unspilled or released meanwhile
+                continue
             shared = shared_bytes(key) if shared_bytes else 0
             yield key, [0, int(size.memory), int(size.disk), shared]
         return
