@@ -61,10 +61,15 @@ class SpillCache(SpillBuffer):
 
     def close(self) -> None:
         """Forget every entry (without reading spilled ones back) and delete
-        the spill directory. Idempotent."""
+        the spill directory. Idempotent; also runs when the cache is garbage
+        collected."""
+        path = getattr(self, "_path", None)
+        if path is None:  # __init__ failed; nothing was created
+            return
         for key in list(self.keys()):
             del self[key]
-        shutil.rmtree(self._path, ignore_errors=True)
+        super().close()
+        shutil.rmtree(path, ignore_errors=True)
 
     def __enter__(self) -> SpillCache:
         return self
