@@ -55,7 +55,6 @@ pub enum NoDropper {
 }
 
 // Scratch flag bits, set for the duration of one query and cleared after it.
-const EXCLUDED: u8 = 1;
 const HOLDER: u8 = 2;
 const CANDIDATE: u8 = 4;
 const PENDING: u8 = 8;
@@ -117,6 +116,14 @@ impl WorkerTable {
     /// If `w` is out of range.
     pub fn memory(&self, w: u32) -> i64 {
         self.memory[w as usize]
+    }
+
+    /// True if worker `w` may receive replicas (it is in `Scheduler.running`).
+    ///
+    /// # Panics
+    /// If `w` is out of range.
+    pub fn eligible(&self, w: u32) -> bool {
+        self.eligible[w as usize]
     }
 
     /// Overwrite the memory of worker `w`, keeping the index consistent.
@@ -381,118 +388,6 @@ impl WorkerTable {
         }
         n
     }
-
-    /// Exclusion-only recipient search used by the batch helpers.
-    fn recipient_excluding(&mut self, excluded: &[u32]) -> Result<u32, NoRecipient> {
-        self.check(excluded);
-        self.mark(excluded, EXCLUDED | HOLDER);
-        let result = self.recipient_any();
-        self.unmark(excluded);
-        result
-    }
-
-    /// Run a sequence of replication suggestions with no candidate restriction.
-    ///
-    /// Key `i` has size `nbytes[i]` and must avoid the workers
-    /// `excluded[offsets[i]..offsets[i + 1]]` (its holders and pending
-    /// recipients). Each accepted choice is accounted before the next key is
-    /// considered. Returns one worker index per key, or the negated
-    /// [`NoRecipient`] code.
-    ///
-    /// # Panics
-    /// If `offsets` does not have `nbytes.len() + 1` non-decreasing entries
-    /// ending at `excluded.len()`, or an index is out of range.
-    pub fn replicate_many(
-        &mut self,
-        nbytes: &[i64],
-        excluded: &[u32],
-        offsets: &[usize],
-    ) -> Vec<i64> {
-        check_offsets(offsets, nbytes.len(), excluded.len());
-        let mut out = Vec::with_capacity(nbytes.len());
-        for (i, &size) in nbytes.iter().enumerate() {
-            let ex = &excluded[offsets[i]..offsets[i + 1]];
-            match self.recipient_excluding(ex) {
-                Ok(w) => {
-                    self.add_replica(w, size);
-                    out.push(i64::from(w));
-                }
-                Err(e) => out.push(-(e as i64)),
-            }
-        }
-        out
-    }
-
-    /// Run a sequence of drop suggestions.
-    ///
-    /// Key `i` has size `nbytes[i]`, is suggested for dropping `counts[i]`
-    /// times in a row, has holders `holders[ho[i]..ho[i+1]]`, pending drops
-    /// `pending[po[i]..po[i+1]]` and dependents processing on
-    /// `dependents[dof[i]..dof[i+1]]`. `candidate` restricts every
-    /// suggestion to one worker, or `None` for all holders. Every accepted drop
-    /// becomes pending for the following suggestions on the same key and is
-    /// accounted before the next suggestion. Returns `sum(counts)` entries:
-    /// the chosen worker or the negated [`NoDropper`] code.
-    ///
-    /// # Panics
-    /// On inconsistent offsets or an out-of-range index.
-    #[allow(clippy::too_many_arguments)]
-    pub fn drop_many(
-        &mut self,
-        nbytes: &[i64],
-        counts: &[u32],
-        holders: &[u32],
-        ho: &[usize],
-        pending: &[u32],
-        po: &[usize],
-        dependents: &[u32],
-        dof: &[usize],
-        candidate: Option<u32>,
-    ) -> Vec<i64> {
-        let n = nbytes.len();
-        assert_eq!(counts.len(), n, "counts length mismatch");
-        check_offsets(ho, n, holders.len());
-        check_offsets(po, n, pending.len());
-        check_offsets(dof, n, dependents.len());
-        let cand_buf = candidate.map(|c| [c]);
-        let mut out = Vec::with_capacity(counts.iter().map(|&c| c as usize).sum());
-        let mut now_pending: Vec<u32> = Vec::new();
-        for i in 0..n {
-            now_pending.clear();
-            now_pending.extend_from_slice(&pending[po[i]..po[i + 1]]);
-            for _ in 0..counts[i] {
-                let r = self.find_dropper(
-                    &holders[ho[i]..ho[i + 1]],
-                    &now_pending,
-                    cand_buf.as_ref().map(|c| &c[..]),
-                    &dependents[dof[i]..dof[i + 1]],
-                );
-                match r {
-                    Ok(w) => {
-                        self.drop_replica(w, nbytes[i]);
-                        now_pending.push(w);
-                        out.push(i64::from(w));
-                    }
-                    Err(e) => out.push(-(e as i64)),
-                }
-            }
-        }
-        out
-    }
-}
-
-fn check_offsets(offsets: &[usize], n: usize, total: usize) {
-    assert_eq!(
-        offsets.len(),
-        n + 1,
-        "offsets must have one entry per key plus one"
-    );
-    assert_eq!(offsets[0], 0, "offsets must start at 0");
-    assert_eq!(offsets[n], total, "offsets must end at the flat length");
-    assert!(
-        offsets.windows(2).all(|p| p[0] <= p[1]),
-        "offsets must not decrease"
-    );
 }
 
 #[cfg(test)]
@@ -591,50 +486,6 @@ mod tests {
         // Two eligible holders: no guard either.
         let mut t = table(&[1, 9, 3], &[false, true, true]);
         assert_eq!(t.find_dropper(&[0, 1, 2], &[], None, &[0]), Ok(1));
-    }
-
-    #[test]
-    fn batches_match_single_calls() {
-        let mut a = table(&[50, 10, 30, 20], &[true, true, true, true]);
-        let mut b = a.clone();
-        let nbytes = [5, 25, 1];
-        let excluded = [0, 1, 3];
-        let offsets = [0, 1, 2, 3];
-        let got = a.replicate_many(&nbytes, &excluded, &offsets);
-        let mut want = Vec::new();
-        for i in 0..3 {
-            let w = b.find_recipient(None, &excluded[i..=i], &[]).unwrap();
-            b.add_replica(w, nbytes[i]);
-            want.push(i64::from(w));
-        }
-        assert_eq!(got, want);
-
-        let mut t = table(&[50, 10, 30, 20], &[true, true, true, true]);
-        let out = t.drop_many(
-            &[5],
-            &[3],
-            &[0, 1, 2, 3],
-            &[0, 4],
-            &[],
-            &[0, 0],
-            &[],
-            &[0, 0],
-            None,
-        );
-        assert_eq!(out, vec![0, 2, 3]);
-        assert_eq!(t.memory(0), 45);
-        let out = t.drop_many(
-            &[5],
-            &[1],
-            &[0, 1],
-            &[0, 2],
-            &[],
-            &[0, 0],
-            &[],
-            &[0, 0],
-            Some(1),
-        );
-        assert_eq!(out, vec![1]);
     }
 
     #[test]

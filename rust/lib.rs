@@ -18,7 +18,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FRAME_ALIGNMENT", format::ALIGN)?;
     m.add_class::<py_store::FileStore>()?;
     m.add_class::<py_buffers::MappedFile>()?;
-    m.add_class::<py_amm::AmmWorkerTable>()?;
+    m.add_class::<py_amm::AmmRun>()?;
     m.add_class::<local_transport::MappedRange>()?;
     m.add_function(wrap_pyfunction!(local_transport::map_frames, m)?)?;
     m.add_function(wrap_pyfunction!(local_transport::buffer_address, m)?)?;

@@ -1,197 +1,575 @@
-//! Python face of `amm::WorkerTable`: `dask_shm._core.AmmWorkerTable`.
+//! Python face of `amm::WorkerTable`: `dask_shm._core.AmmRun`.
 //!
-//! Workers are plain indices `0..n`; the Python side maps them to
-//! `WorkerState` objects. Every method validates its indices and offsets and
-//! raises `ValueError`/`IndexError` instead of panicking. Choices come back as
-//! a worker index (>= 0) or a negative rejection code (see `amm.rs`).
+//! One `AmmRun` serves one Active Memory Manager run. It holds the run's
+//! `WorkerState` objects (strong references, so their addresses identify them
+//! for the whole run) and the Rust worker table, and works directly on the
+//! scheduler's Python objects: `TaskState.who_has` / `waiters` /
+//! `processing_on` / `nbytes` / `actor` / `state` / `key`,
+//! `WorkerState.has_what`, and the manager's `pending` dict
+//! (`{TaskState: (set[WorkerState], set[WorkerState])}`), which it reads and
+//! fills exactly as the stock manager does.
+//!
+//! Workers are identified by object identity. Workers that are not part of the
+//! run (not in `scheduler.workers` when it started) are ignored where stock
+//! would intersect with the cluster's workers.
 
-use pyo3::exceptions::{PyIndexError, PyValueError};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use pyo3::exceptions::{PyAssertionError, PyKeyError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySet, PyTuple};
 
-use crate::amm::WorkerTable;
+use crate::amm::{NoDropper, NoRecipient, WorkerTable};
 
-fn check_indices(name: &str, workers: &[u32], n: usize) -> PyResult<()> {
-    match workers.iter().find(|&&w| w as usize >= n) {
-        Some(bad) => Err(PyIndexError::new_err(format!(
-            "{name}: worker index {bad} out of range for {n} workers"
-        ))),
-        None => Ok(()),
+/// Rejections decided before the table is consulted (stock checks these first).
+const REJECT_NOT_IN_MEMORY: i64 = 21;
+const REJECT_ACTOR: i64 = 22;
+const REJECT_NO_REPLICAS: i64 = 23;
+
+fn recipient_code(e: NoRecipient) -> i64 {
+    e as i64
+}
+
+fn dropper_code(e: NoDropper) -> i64 {
+    e as i64
+}
+
+/// Hasher for object addresses: one multiply (addresses are already unique).
+#[derive(Default)]
+struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = ((n as u64) >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 }
 
-fn check_offsets(name: &str, offsets: &[usize], keys: usize, total: usize) -> PyResult<()> {
-    let ok = offsets.len() == keys + 1
-        && offsets[0] == 0
-        && offsets[keys] == total
-        && offsets.windows(2).all(|p| p[0] <= p[1]);
-    if ok {
-        Ok(())
-    } else {
-        Err(PyValueError::new_err(format!(
-            "{name}: expected {} non-decreasing offsets from 0 to {total}",
-            keys + 1
-        )))
-    }
+type AddrMap = HashMap<usize, u32, BuildHasherDefault<AddrHasher>>;
+
+type Entry<'py> = (Bound<'py, PySet>, Bound<'py, PySet>);
+
+/// The `(pending replications, pending drops)` entry of `ts`, created empty if
+/// absent (one hash of `ts`).
+fn entry<'py>(pending: &Bound<'py, PyDict>, ts: &Bound<'py, PyAny>) -> PyResult<Entry<'py>> {
+    let py = ts.py();
+    let fresh = PyTuple::new(py, [PySet::empty(py)?, PySet::empty(py)?])?;
+    let (_, value) = pending.set_default_with_result(ts, fresh)?;
+    split_entry(&value)
 }
 
-/// Per-run table of worker memory and status answering the AMM's
-/// "find recipient" and "find dropper" questions.
+fn split_entry<'py>(value: &Bound<'py, PyAny>) -> PyResult<Entry<'py>> {
+    let t = value.cast::<PyTuple>()?;
+    Ok((
+        t.get_item(0)?.cast_into::<PySet>()?,
+        t.get_item(1)?.cast_into::<PySet>()?,
+    ))
+}
+
+/// One AMM run: the run's workers and their table.
 #[pyclass(module = "dask_shm._core")]
-pub struct AmmWorkerTable {
-    inner: WorkerTable,
+pub struct AmmRun {
+    table: WorkerTable,
+    workers: Vec<Py<PyAny>>,
+    index: AddrMap,
+    last_reject: i64,
+}
+
+impl AmmRun {
+    fn pos(&self, obj: &Bound<'_, PyAny>) -> Option<u32> {
+        self.index.get(&(obj.as_ptr() as usize)).copied()
+    }
+
+    fn pos_or_key_error(&self, ws: &Bound<'_, PyAny>) -> PyResult<u32> {
+        self.pos(ws)
+            .ok_or_else(|| PyKeyError::new_err(ws.clone().unbind()))
+    }
+
+    /// Append the positions of the workers in `obj` (a set or any iterable;
+    /// None is empty) to `out`, skipping workers unknown to this run.
+    fn positions_into(&self, obj: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> PyResult<()> {
+        if obj.is_none() {
+            return Ok(());
+        }
+        if let Ok(set) = obj.cast::<PySet>() {
+            out.extend(set.iter().filter_map(|w| self.pos(&w)));
+        } else {
+            for w in obj.try_iter()? {
+                if let Some(p) = self.pos(&w?) {
+                    out.push(p);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn positions(&self, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let mut out = Vec::new();
+        self.positions_into(obj, &mut out)?;
+        Ok(out)
+    }
+
+    /// Positions of the workers where dependents (`waiters`) of `ts` are processing.
+    fn dependents(&self, ts: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let py = ts.py();
+        let waiters = ts.getattr(intern!(py, "waiters"))?;
+        let mut out = Vec::new();
+        if waiters.is_none() {
+            return Ok(out);
+        }
+        for waiter in waiters.try_iter()? {
+            let on = waiter?.getattr(intern!(py, "processing_on"))?;
+            if !on.is_none() {
+                if let Some(p) = self.pos(&on) {
+                    out.push(p);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn worker<'py>(&self, py: Python<'py>, w: u32) -> Bound<'py, PyAny> {
+        self.workers[w as usize].bind(py).clone()
+    }
+
+    fn nbytes(ts: &Bound<'_, PyAny>) -> PyResult<i64> {
+        ts.getattr(intern!(ts.py(), "nbytes"))?.extract()
+    }
+
+    fn is_actor(ts: &Bound<'_, PyAny>) -> PyResult<bool> {
+        ts.getattr(intern!(ts.py(), "actor"))?.is_truthy()
+    }
+
+    fn in_memory(ts: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let state = ts.getattr(intern!(ts.py(), "state"))?;
+        Ok(state.extract::<&str>().is_ok_and(|s| s == "memory"))
+    }
+
+    /// Find, account and record (in `pending_repl`) a recipient for `ts`.
+    fn replicate_into<'py>(
+        &mut self,
+        ts: &Bound<'py, PyAny>,
+        candidates: Option<&[u32]>,
+        holders: &[u32],
+        pending_repl: &Bound<'py, PySet>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let pending = self.positions(pending_repl.as_any())?;
+        match self.table.find_recipient(candidates, holders, &pending) {
+            Ok(w) => {
+                self.table.add_replica(w, Self::nbytes(ts)?);
+                let ws = self.worker(ts.py(), w);
+                pending_repl.add(&ws)?;
+                Ok(Some(ws))
+            }
+            Err(e) => {
+                self.last_reject = recipient_code(e);
+                Ok(None)
+            }
+        }
+    }
 }
 
 #[pymethods]
-impl AmmWorkerTable {
+impl AmmRun {
+    /// `workers`: the scheduler's workers in order; `memory`, `running`
+    /// (status is running) and `eligible` (member of `Scheduler.running`) per worker.
     #[new]
-    fn new(memory: Vec<i64>, running: Vec<bool>, eligible: Vec<bool>) -> PyResult<Self> {
-        if memory.len() != running.len() || memory.len() != eligible.len() {
+    fn new(
+        workers: Vec<Bound<'_, PyAny>>,
+        memory: Vec<i64>,
+        running: Vec<bool>,
+        eligible: Vec<bool>,
+    ) -> PyResult<Self> {
+        let n = workers.len();
+        if memory.len() != n || running.len() != n || eligible.len() != n {
             return Err(PyValueError::new_err(
-                "memory, running and eligible must have the same length",
+                "workers, memory, running and eligible must have the same length",
             ));
         }
-        if u32::try_from(memory.len()).is_err() {
+        if u32::try_from(n).is_err() {
             return Err(PyValueError::new_err("too many workers"));
         }
-        Ok(AmmWorkerTable {
-            inner: WorkerTable::new(memory, running, eligible),
+        let mut index = AddrMap::with_capacity_and_hasher(n, Default::default());
+        for (i, ws) in workers.iter().enumerate() {
+            if index.insert(ws.as_ptr() as usize, i as u32).is_some() {
+                return Err(PyValueError::new_err("the same worker is listed twice"));
+            }
+        }
+        Ok(AmmRun {
+            table: WorkerTable::new(memory, running, eligible),
+            workers: workers.into_iter().map(Bound::unbind).collect(),
+            index,
+            last_reject: 0,
         })
     }
 
     fn __len__(&self) -> usize {
-        self.inner.len()
+        self.table.len()
     }
 
-    /// Memory of worker `w` downstream of the accepted actions.
-    fn memory(&self, w: u32) -> PyResult<i64> {
-        check_indices("w", &[w], self.inner.len())?;
-        Ok(self.inner.memory(w))
+    fn __contains__(&self, ws: &Bound<'_, PyAny>) -> bool {
+        self.pos(ws).is_some()
     }
 
-    /// Overwrite the memory of worker `w`.
-    fn set_memory(&mut self, w: u32, value: i64) -> PyResult<()> {
-        check_indices("w", &[w], self.inner.len())?;
-        self.inner.set_memory(w, value);
+    /// The run's workers, in order.
+    #[getter]
+    fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.workers.iter().map(|w| w.bind(py)))
+    }
+
+    /// Why the last `replicate`/`drop` returned None (a code, see the stubs).
+    #[getter]
+    fn last_reject(&self) -> i64 {
+        self.last_reject
+    }
+
+    /// Memory of `ws` downstream of accepted actions. Raises KeyError if unknown.
+    fn memory(&self, ws: &Bound<'_, PyAny>) -> PyResult<i64> {
+        Ok(self.table.memory(self.pos_or_key_error(ws)?))
+    }
+
+    /// Overwrite the memory of `ws`. Raises KeyError if unknown.
+    fn set_memory(&mut self, ws: &Bound<'_, PyAny>, value: i64) -> PyResult<()> {
+        let w = self.pos_or_key_error(ws)?;
+        self.table.set_memory(w, value);
         Ok(())
     }
 
-    /// Choose and account a recipient; see `WorkerTable::find_recipient`.
-    #[pyo3(signature = (candidates, holders, pending, nbytes))]
-    fn replicate(
+    /// Stock `_find_recipient` plus accounting: choose the least loaded running
+    /// candidate (all workers if `candidates` is None) that neither holds `ts`
+    /// nor is in `pending_repl`; add it to `pending_repl` and its memory grows by
+    /// `ts.nbytes`. Returns the worker or None (see `last_reject`).
+    fn replicate<'py>(
         &mut self,
-        candidates: Option<Vec<u32>>,
-        holders: Vec<u32>,
-        pending: Vec<u32>,
-        nbytes: i64,
-    ) -> PyResult<i64> {
-        let n = self.inner.len();
-        check_indices("holders", &holders, n)?;
-        check_indices("pending", &pending, n)?;
-        if let Some(c) = &candidates {
-            check_indices("candidates", c, n)?;
+        ts: &Bound<'py, PyAny>,
+        candidates: Option<&Bound<'py, PyAny>>,
+        pending_repl: &Bound<'py, PySet>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = ts.py();
+        if !Self::in_memory(ts)? {
+            self.last_reject = REJECT_NOT_IN_MEMORY;
+            return Ok(None);
         }
-        Ok(
-            match self
-                .inner
-                .find_recipient(candidates.as_deref(), &holders, &pending)
-            {
-                Ok(w) => {
-                    self.inner.add_replica(w, nbytes);
-                    i64::from(w)
+        if Self::is_actor(ts)? {
+            self.last_reject = REJECT_ACTOR;
+            return Ok(None);
+        }
+        let holders = self.positions(&ts.getattr(intern!(py, "who_has"))?)?;
+        let cands = match candidates {
+            Some(c) if !c.is_none() => Some(self.positions(c)?),
+            _ => None,
+        };
+        self.replicate_into(ts, cands.as_deref(), &holders, pending_repl)
+    }
+
+    /// Stock `_find_dropper` plus accounting: choose the holder of `ts` among
+    /// `candidates` (all holders if None), not in `pending_drop` and without
+    /// dependents processing on it, with the highest (not running, memory);
+    /// never the last replica; ping-pong guard. Adds it to `pending_drop`; its
+    /// memory shrinks by `ts.nbytes` (clamped at 0). Returns it or None.
+    fn drop<'py>(
+        &mut self,
+        ts: &Bound<'py, PyAny>,
+        candidates: Option<&Bound<'py, PyAny>>,
+        pending_drop: &Bound<'py, PySet>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = ts.py();
+        let who_has = ts.getattr(intern!(py, "who_has"))?;
+        if who_has.is_none() {
+            self.last_reject = REJECT_NO_REPLICAS;
+            return Ok(None);
+        }
+        let holders = self.positions(&who_has)?;
+        let pending = self.positions(pending_drop.as_any())?;
+        let cands = match candidates {
+            Some(c) if !c.is_none() => Some(self.positions(c)?),
+            _ => None,
+        };
+        // Stock checks the replica count before the actor flag.
+        if (holders.len() as i64) - (pending.len() as i64) >= 2 && Self::is_actor(ts)? {
+            self.last_reject = REJECT_ACTOR;
+            return Ok(None);
+        }
+        let deps = self.dependents(ts)?;
+        match self
+            .table
+            .find_dropper(&holders, &pending, cands.as_deref(), &deps)
+        {
+            Ok(w) => {
+                self.table.drop_replica(w, Self::nbytes(ts)?);
+                let ws = self.worker(py, w);
+                pending_drop.add(&ws)?;
+                Ok(Some(ws))
+            }
+            Err(e) => {
+                self.last_reject = dropper_code(e);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Stock `ReduceReplicas.run`, decided in one pass: for each task of
+    /// `tasks` (normally `scheduler.replicated_tasks`), ask to drop every replica
+    /// beyond `max(desired, waiters)` (desired from `targets`, default 1),
+    /// counting this run's pending actions, and record accepted drops in
+    /// `pending`. Returns `(tasks suggested, drops suggested)`.
+    #[pyo3(signature = (tasks, pending, targets=None))]
+    fn reduce_replicas(
+        &mut self,
+        tasks: &Bound<'_, PyAny>,
+        pending: &Bound<'_, PyDict>,
+        targets: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<(usize, i64)> {
+        let py = tasks.py();
+        let check_pending = !pending.is_empty();
+        let (mut nkeys, mut ndrop_total) = (0usize, 0i64);
+        let mut distinct: Vec<usize> = Vec::new();
+        let mut holders: Vec<u32> = Vec::new();
+        let mut dropping: Vec<u32> = Vec::new();
+        for ts in tasks.try_iter()? {
+            let ts = ts?;
+            let who_has = ts.getattr(intern!(py, "who_has"))?;
+            let n_holders = if who_has.is_none() {
+                0
+            } else {
+                who_has.len()? as i64
+            };
+            let desired: i64 = match targets {
+                Some(t) => match t.get_item(&ts)? {
+                    Some(v) => v.extract()?,
+                    None => 1,
+                },
+                None => 1,
+            };
+            let waiters = ts.getattr(intern!(py, "waiters"))?;
+            let mut nwaiters = if waiters.is_none() {
+                0
+            } else {
+                waiters.len()? as i64
+            };
+            if desired < nwaiters && nwaiters < 20 {
+                // Waiters sharing a worker count once; unassigned ones count each.
+                distinct.clear();
+                for waiter in waiters.try_iter()? {
+                    let waiter = waiter?;
+                    let on = waiter.getattr(intern!(py, "processing_on"))?;
+                    let id = if on.is_truthy()? {
+                        on.as_ptr()
+                    } else {
+                        waiter.as_ptr()
+                    };
+                    distinct.push(id as usize);
                 }
-                Err(e) => -(e as i64),
-            },
-        )
+                distinct.sort_unstable();
+                distinct.dedup();
+                nwaiters = distinct.len() as i64;
+            }
+            let mut ndrop = n_holders - desired.max(nwaiters);
+            let existing = if check_pending {
+                pending.get_item(&ts)?
+            } else {
+                None
+            };
+            if let Some(e) = &existing {
+                let (r, d) = split_entry(e)?;
+                ndrop += r.len() as i64 - d.len() as i64;
+            }
+            if ndrop <= 0 {
+                continue;
+            }
+            nkeys += 1;
+            ndrop_total += ndrop;
+            let (_, drop_set) = match existing {
+                Some(e) => split_entry(&e)?,
+                None => entry(pending, &ts)?,
+            };
+            if n_holders == 0 || Self::is_actor(&ts)? {
+                continue; // every suggestion is rejected
+            }
+            holders.clear();
+            self.positions_into(&who_has, &mut holders)?;
+            dropping.clear();
+            self.positions_into(drop_set.as_any(), &mut dropping)?;
+            let deps = self.dependents(&ts)?;
+            let nbytes = Self::nbytes(&ts)?;
+            for _ in 0..ndrop {
+                // A rejection leaves the state unchanged: the rest would be too.
+                let Ok(w) = self.table.find_dropper(&holders, &dropping, None, &deps) else {
+                    break;
+                };
+                self.table.drop_replica(w, nbytes);
+                drop_set.add(self.workers[w as usize].bind(py))?;
+                dropping.push(w);
+            }
+        }
+        Ok((nkeys, ndrop_total))
     }
 
-    /// Choose and account a dropper; see `WorkerTable::find_dropper`.
-    #[pyo3(signature = (holders, pending, candidates, dependents, nbytes))]
-    fn drop(
+    /// Stock `RetireWorker.run` for worker `ws` (which must be in the run),
+    /// decided in one pass over `ws.has_what`: replicated keys are offered for
+    /// dropping from `ws`; keys that stay unique (or whose other replicas are all
+    /// on workers that are not running) are replicated to the least loaded
+    /// running worker unless a replication is already pending. Records
+    /// everything in `pending`. Returns `(keys to move, keys with no recipient)`.
+    fn retire_worker(
         &mut self,
-        holders: Vec<u32>,
-        pending: Vec<u32>,
-        candidates: Option<Vec<u32>>,
-        dependents: Vec<u32>,
-        nbytes: i64,
-    ) -> PyResult<i64> {
-        let n = self.inner.len();
-        check_indices("holders", &holders, n)?;
-        check_indices("pending", &pending, n)?;
-        check_indices("dependents", &dependents, n)?;
-        if let Some(c) = &candidates {
-            check_indices("candidates", c, n)?;
-        }
-        Ok(
-            match self
-                .inner
-                .find_dropper(&holders, &pending, candidates.as_deref(), &dependents)
-            {
-                Ok(w) => {
-                    self.inner.drop_replica(w, nbytes);
-                    i64::from(w)
+        ws: &Bound<'_, PyAny>,
+        pending: &Bound<'_, PyDict>,
+    ) -> PyResult<(usize, usize)> {
+        let py = ws.py();
+        let w = self.pos_or_key_error(ws)?;
+        let check_pending = !pending.is_empty();
+        let only_ws = [w];
+        let (mut nrepl, mut nno_rec) = (0usize, 0usize);
+        let mut holders: Vec<u32> = Vec::new();
+        let mut dropping: Vec<u32> = Vec::new();
+        for ts in ws.getattr(intern!(py, "has_what"))?.try_iter()? {
+            let ts = ts?;
+            if Self::is_actor(&ts)? {
+                continue;
+            }
+            let who_has = ts.getattr(intern!(py, "who_has"))?;
+            let n_holders = if who_has.is_none() { 0 } else { who_has.len()? };
+            holders.clear();
+            self.positions_into(&who_has, &mut holders)?;
+            let mut known: Option<Entry<'_>> = None;
+            if n_holders > 1 {
+                let (repl_set, drop_set) = entry(pending, &ts)?;
+                dropping.clear();
+                self.positions_into(drop_set.as_any(), &mut dropping)?;
+                let deps = self.dependents(&ts)?;
+                if let Ok(d) = self
+                    .table
+                    .find_dropper(&holders, &dropping, Some(&only_ws), &deps)
+                {
+                    self.table.drop_replica(d, Self::nbytes(&ts)?);
+                    drop_set.add(self.workers[d as usize].bind(py))?;
+                    continue;
                 }
-                Err(e) => -(e as i64),
-            },
-        )
+                if holders.iter().any(|&h| self.table.eligible(h)) {
+                    continue; // a running worker keeps a replica
+                }
+                known = Some((repl_set, drop_set));
+            }
+            nrepl += 1;
+            let repl_set = match known {
+                Some((r, _)) => Some(r),
+                None if check_pending => match pending.get_item(&ts)? {
+                    Some(e) => Some(split_entry(&e)?.0),
+                    None => None,
+                },
+                None => None,
+            };
+            if repl_set.as_ref().is_some_and(|r| !r.is_empty()) {
+                continue; // another policy already asked for a replica
+            }
+            let (repl_set, _) = entry(pending, &ts)?;
+            if !Self::in_memory(&ts)? {
+                nno_rec += 1;
+                continue;
+            }
+            if self
+                .replicate_into(&ts, None, &holders, &repl_set)?
+                .is_none()
+            {
+                nno_rec += 1;
+            }
+        }
+        Ok((nrepl, nno_rec))
     }
 
-    /// Sequence of unrestricted replications; see `WorkerTable::replicate_many`.
-    fn replicate_many(
-        &mut self,
-        nbytes: Vec<i64>,
-        excluded: Vec<u32>,
-        offsets: Vec<usize>,
-    ) -> PyResult<Vec<i64>> {
-        check_indices("excluded", &excluded, self.inner.len())?;
-        check_offsets("offsets", &offsets, nbytes.len(), excluded.len())?;
-        Ok(self.inner.replicate_many(&nbytes, &excluded, &offsets))
-    }
-
-    /// Sequence of drops; see `WorkerTable::drop_many`.
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (nbytes, counts, holders, holder_offsets, pending, pending_offsets,
-                        dependents, dependent_offsets, candidate=None))]
-    fn drop_many(
-        &mut self,
-        nbytes: Vec<i64>,
-        counts: Vec<u32>,
-        holders: Vec<u32>,
-        holder_offsets: Vec<usize>,
-        pending: Vec<u32>,
-        pending_offsets: Vec<usize>,
-        dependents: Vec<u32>,
-        dependent_offsets: Vec<usize>,
-        candidate: Option<u32>,
-    ) -> PyResult<Vec<i64>> {
-        let n = self.inner.len();
-        let keys = nbytes.len();
-        if counts.len() != keys {
-            return Err(PyValueError::new_err("counts must have one entry per key"));
+    /// Group the accepted actions of `pending` by worker, as stock enacts them:
+    /// tasks that lost all replicas are skipped. Returns `(replications,
+    /// drops)`, each a list of `(worker, [keys])`. With `validate`, raises
+    /// AssertionError if an action would drop the last replica, replicate onto
+    /// a holder or drop from a non-holder.
+    fn group_actions<'py>(
+        &self,
+        pending: &Bound<'py, PyDict>,
+        validate: bool,
+    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        let py = pending.py();
+        let n = self.workers.len();
+        let mut repl: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
+        let mut drop: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
+        // Workers a policy put in `pending` that are not part of this run.
+        let mut foreign: Vec<(Bound<'py, PyAny>, bool, Vec<Bound<'py, PyAny>>)> = Vec::new();
+        for (ts, value) in pending.iter() {
+            let who_has = ts.getattr(intern!(py, "who_has"))?;
+            if who_has.is_none() || !who_has.is_truthy()? {
+                continue;
+            }
+            let (repl_set, drop_set) = split_entry(&value)?;
+            if repl_set.is_empty() && drop_set.is_empty() {
+                continue;
+            }
+            if validate {
+                let mut keeps = false;
+                for h in who_has.try_iter()? {
+                    if !drop_set.contains(h?)? {
+                        keeps = true;
+                        break;
+                    }
+                }
+                if !keeps {
+                    return Err(PyAssertionError::new_err(format!(
+                        "would drop the last replica of {}",
+                        ts.repr()?
+                    )));
+                }
+            }
+            let key = ts.getattr(intern!(py, "key"))?;
+            for (set, lists, is_drop) in
+                [(&repl_set, &mut repl, false), (&drop_set, &mut drop, true)]
+            {
+                for ws in set.iter() {
+                    if validate && who_has.contains(&ws)? != is_drop {
+                        return Err(PyAssertionError::new_err(format!(
+                            "{} {} a replica of {}",
+                            ws.repr()?,
+                            if is_drop {
+                                "cannot drop"
+                            } else {
+                                "already holds"
+                            },
+                            ts.repr()?
+                        )));
+                    }
+                    match self.pos(&ws) {
+                        Some(p) => lists[p as usize].push(key.clone()),
+                        None => match foreign
+                            .iter_mut()
+                            .find(|(f, d, _)| f.is(&ws) && *d == is_drop)
+                        {
+                            Some((_, _, keys)) => keys.push(key.clone()),
+                            None => foreign.push((ws, is_drop, vec![key.clone()])),
+                        },
+                    }
+                }
+            }
         }
-        check_indices("holders", &holders, n)?;
-        check_indices("pending", &pending, n)?;
-        check_indices("dependents", &dependents, n)?;
-        if let Some(c) = candidate {
-            check_indices("candidate", &[c], n)?;
+        let out_repl = PyList::empty(py);
+        let out_drop = PyList::empty(py);
+        for (lists, out) in [(repl, &out_repl), (drop, &out_drop)] {
+            for (w, keys) in lists.into_iter().enumerate() {
+                if !keys.is_empty() {
+                    out.append((self.workers[w].bind(py), PyList::new(py, keys)?))?;
+                }
+            }
         }
-        check_offsets("holder_offsets", &holder_offsets, keys, holders.len())?;
-        check_offsets("pending_offsets", &pending_offsets, keys, pending.len())?;
-        check_offsets(
-            "dependent_offsets",
-            &dependent_offsets,
-            keys,
-            dependents.len(),
-        )?;
-        Ok(self.inner.drop_many(
-            &nbytes,
-            &counts,
-            &holders,
-            &holder_offsets,
-            &pending,
-            &pending_offsets,
-            &dependents,
-            &dependent_offsets,
-            candidate,
-        ))
+        for (ws, is_drop, keys) in foreign {
+            let out = if is_drop { &out_drop } else { &out_repl };
+            out.append((ws, PyList::new(py, keys)?))?;
+        }
+        Ok((out_repl, out_drop))
     }
 }

@@ -107,48 +107,58 @@ def pages_unmodified(addr: int, length: int) -> bool:
     in a live private file mapping. Raises OSError if pagemap is unreadable.
     """
 
-@final
-class AmmWorkerTable:
-    """Per-run table of worker memory and status for the Active Memory Manager.
+# --- Active Memory Manager (rust/py_amm.rs) ---
+from typing import Any as _Any  # noqa: E402
 
-    Workers are indices ``0..n``. Choices are returned as a worker index (>= 0) or a
-    negative rejection code. Tie rule: lowest index wins. Raises IndexError for an
-    out-of-range index and ValueError for inconsistent lengths/offsets.
+@final
+class AmmRun:
+    """One Active Memory Manager run: the run's workers and their Rust table.
+
+    Works directly on the scheduler's ``WorkerState``/``TaskState`` objects (workers
+    matched by identity) and on the manager's ``pending`` dict
+    (``{TaskState: (set[WorkerState], set[WorkerState])}``). Tie rule: among workers
+    tied on stock's sort key, the one listed first in ``workers`` wins. Rejection
+    codes (``last_reject``): 1 no running candidates, 2 all candidates hold a replica,
+    3 all pending replication, 11 fewer than 2 replicas would remain, 12 no candidate
+    holds a replica, 13 all pending drop, 14 all have dependents processing, 15
+    ping-pong guard, 21 task not in memory, 22 task is an actor, 23 no replicas.
     """
 
-    def __init__(self, memory: list[int], running: list[bool], eligible: list[bool]) -> None: ...
+    def __init__(
+        self,
+        workers: list[_Any],
+        memory: list[int],
+        running: list[bool],
+        eligible: list[bool],
+    ) -> None:
+        """Raises ValueError if lengths differ or a worker is listed twice."""
     def __len__(self) -> int: ...
-    def memory(self, w: int) -> int: ...
-    def set_memory(self, w: int, value: int) -> None: ...
-    def replicate(
-        self, candidates: list[int] | None, holders: list[int], pending: list[int], nbytes: int
-    ) -> int:
-        """Lowest-memory eligible candidate (all if None) outside holders and pending;
-        its memory grows by ``nbytes``."""
-    def drop(
+    def __contains__(self, ws: object) -> bool: ...
+    @property
+    def workers(self) -> list[_Any]: ...
+    @property
+    def last_reject(self) -> int: ...
+    def memory(self, ws: _Any) -> int:
+        """Memory downstream of accepted actions; KeyError if ``ws`` is unknown."""
+    def set_memory(self, ws: _Any, value: int) -> None: ...
+    def replicate(self, ts: _Any, candidates: _Any | None, pending_repl: set[_Any]) -> _Any | None:
+        """Least loaded running candidate without a replica or pending one; recorded
+        in ``pending_repl`` and accounted. None if rejected."""
+    def drop(self, ts: _Any, candidates: _Any | None, pending_drop: set[_Any]) -> _Any | None:
+        """Holder to drop from: not pending, no dependents processing there, highest
+        (not running, memory); never the last replica; ping-pong guard. None if
+        rejected."""
+    def reduce_replicas(
         self,
-        holders: list[int],
-        pending: list[int],
-        candidates: list[int] | None,
-        dependents: list[int],
-        nbytes: int,
-    ) -> int:
-        """Holder to drop a replica: not pending, no dependents processing there,
-        highest (not running, memory); never the last replica; ping-pong guard."""
-    def replicate_many(
-        self, nbytes: list[int], excluded: list[int], offsets: list[int]
-    ) -> list[int]:
-        """``replicate(None, excluded[offsets[i]:offsets[i+1]], [], nbytes[i])`` in turn."""
-    def drop_many(
-        self,
-        nbytes: list[int],
-        counts: list[int],
-        holders: list[int],
-        holder_offsets: list[int],
-        pending: list[int],
-        pending_offsets: list[int],
-        dependents: list[int],
-        dependent_offsets: list[int],
-        candidate: int | None = None,
-    ) -> list[int]:
-        """``counts[i]`` consecutive drops of key ``i``; accepted drops become pending."""
+        tasks: Iterable[_Any],
+        pending: dict[_Any, _Any],
+        targets: dict[_Any, int] | None = None,
+    ) -> tuple[int, int]:
+        """Stock ReduceReplicas in one pass; returns (tasks suggested, drops suggested)."""
+    def retire_worker(self, ws: _Any, pending: dict[_Any, _Any]) -> tuple[int, int]:
+        """Stock RetireWorker in one pass; returns (keys to move, keys without recipient)."""
+    def group_actions(
+        self, pending: dict[_Any, _Any], validate: bool
+    ) -> tuple[list[tuple[_Any, list[_Any]]], list[tuple[_Any, list[_Any]]]]:
+        """Accepted (replications, drops) by worker; AssertionError on invalid ones
+        when ``validate``."""

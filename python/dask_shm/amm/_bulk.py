@@ -17,16 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import distributed.active_memory_manager as stock
 
-from dask_shm.amm.policies import (
-    ReduceReplicas,
-    RetireWorker,
-    excess_replicas,
-    replica_targets,
-)
+from dask_shm.amm.policies import ReduceReplicas, RetireWorker, replica_targets
 
 if TYPE_CHECKING:
-    from distributed.scheduler import TaskState
-
     from dask_shm.amm.extension import ActiveMemoryManagerExtension
 
 #: Stock's policy logger: our runners emit its messages for parity.
@@ -37,34 +30,20 @@ Runner = Callable[["ActiveMemoryManagerExtension", Any], None]
 
 def run_reduce_replicas(manager: ActiveMemoryManagerExtension, policy: Any) -> None:
     """Bulk equivalent of ``ReduceReplicas.run`` (KeepReplicas targets honoured)."""
-    targets = replica_targets(manager)
-    pending = manager.pending
-    tasks: list[TaskState] = []
-    counts: list[int] = []
-    for ts in manager.scheduler.replicated_tasks:
-        ndrop = excess_replicas(pending, ts, targets.get(ts, 1) if targets else 1)
-        if ndrop > 0:
-            tasks.append(ts)
-            counts.append(ndrop)
-    if tasks:
-        manager._drop_many(tasks, counts)
+    targets = replica_targets(manager) or None
+    nkeys, ndrop = manager._run.reduce_replicas(
+        manager.scheduler.replicated_tasks, manager.pending, targets
+    )
+    if ndrop:
         policy_logger.debug(
-            "ReduceReplicas: Dropping %d superfluous replicas of %d tasks",
-            sum(counts),
-            len(tasks),
+            "ReduceReplicas: Dropping %d superfluous replicas of %d tasks", ndrop, nkeys
         )
 
 
 def run_retire_worker(manager: ActiveMemoryManagerExtension, policy: Any) -> None:
-    """Bulk equivalent of ``RetireWorker.run``.
-
-    The drops of already-replicated keys are decided before the replications of unique
-    keys. This is the same outcome as stock's interleaving: every drop targets the
-    retiring worker, which never receives these keys, and each key is suggested once.
-    """
-    scheduler = manager.scheduler
-    ws = scheduler.workers.get(policy.address)
-    if ws is None:
+    """Bulk equivalent of ``RetireWorker.run``, with its side effects on ``policy``."""
+    ws = manager.scheduler.workers.get(policy.address)
+    if ws is None or ws not in manager._run:
         policy_logger.debug("Removing policy %s: Worker no longer in cluster", policy)
         manager.policies.remove(policy)
         return
@@ -79,29 +58,7 @@ def run_retire_worker(manager: ActiveMemoryManagerExtension, policy: Any) -> Non
         return
 
     policy_logger.debug("Retiring %s", ws)
-    tasks = [ts for ts in ws.has_what if not ts.actor]
-    shared = [ts for ts in tasks if ts.who_has and len(ts.who_has) > 1]
-    dropped: set[TaskState] = set()
-    if shared:
-        accepted = manager._drop_many(shared, [1] * len(shared), candidate=ws)
-        dropped = {ts for ts, n in zip(shared, accepted, strict=True) if n}
-
-    running = scheduler.running
-    pending = manager.pending
-    nrepl = 0
-    to_replicate: list[TaskState] = []
-    for ts in tasks:
-        if ts.who_has and len(ts.who_has) > 1:
-            if ts in dropped or not running.isdisjoint(ts.who_has):
-                continue
-        nrepl += 1
-        entry = pending.get(ts)
-        if entry is None or not entry[0]:
-            to_replicate.append(ts)
-    nno_rec = 0
-    if to_replicate:
-        nno_rec = sum(r is None for r in manager._replicate_many(to_replicate))
-
+    nrepl, nno_rec = manager._run.retire_worker(ws, manager.pending)
     if nno_rec:
         policy.no_recipients = True
         policy_logger.warning(

@@ -1,0 +1,84 @@
+"""Active Memory Manager: stock vs ours, one ``run_once`` on the same fake state.
+
+Run: ``pytest benches/bench_amm.py --benchmark-group-by=param:case``. Each case
+benchmarks stock and ours side by side; the ratio is stock time / our time. Both
+managers must enact the same number of replications and drops (checked).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from functools import cache
+from pathlib import Path
+
+import distributed.active_memory_manager as stock
+import pytest
+from distributed.core import Status
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from amm_state import FakeScheduler  # noqa: E402
+
+import dask_shm.amm as ours  # noqa: E402
+
+MANAGERS = {"stock": stock.ActiveMemoryManagerExtension, "ours": ours.ActiveMemoryManagerExtension}
+
+
+@cache
+def replicated_state(nworkers: int, nkeys: int) -> FakeScheduler:
+    """``nkeys`` keys, each held by 2 random workers of ``nworkers``."""
+    rng = random.Random(42)
+    s = FakeScheduler(validate=False)
+    workers = [s.add_worker(f"w{i}", rng.randrange(1 << 30)) for i in range(nworkers)]
+    for k in range(nkeys):
+        s.add_task(f"k{k}", rng.randrange(1, 1 << 20), rng.sample(workers, 2))
+    return s
+
+
+@cache
+def retiring_state(nworkers: int, nkeys: int) -> FakeScheduler:
+    """One worker (closing gracefully) holding ``nkeys`` unique keys."""
+    rng = random.Random(42)
+    s = FakeScheduler(validate=False)
+    for i in range(nworkers):
+        s.add_worker(f"w{i}", rng.randrange(1 << 30))
+    victim = next(iter(s.workers.values()))
+    victim.status = Status.closing_gracefully
+    s.running.discard(victim)
+    for k in range(nkeys):
+        s.add_task(f"k{k}", rng.randrange(1, 1 << 20), [victim])
+    return s
+
+
+CASES = {
+    "reduce-100k-keys-100-workers": (lambda: replicated_state(100, 100_000), "reduce"),
+    "reduce-100k-keys-1000-workers": (lambda: replicated_state(1000, 100_000), "reduce"),
+    "retire-50k-keys-1000-workers": (lambda: retiring_state(1000, 50_000), "retire"),
+}
+
+_enacted: dict[tuple[str, str], int] = {}
+
+
+@pytest.mark.parametrize("impl", ["stock", "ours"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_run_once(benchmark, case: str, impl: str) -> None:
+    build, kind = CASES[case]
+    s = build()
+    s.take()
+
+    def setup():
+        if kind == "reduce":
+            policies = {stock.ReduceReplicas()}
+        else:
+            policies = {stock.RetireWorker(next(iter(s.workers)))}
+        amm = MANAGERS[impl](s, policies=policies, register=False, start=False)
+        s.enacted.clear()
+        return (amm,), {}
+
+    benchmark.pedantic(lambda amm: amm.run_once(), setup=setup, rounds=5, iterations=1)
+    n = len(s.take())
+    assert n > 0
+    other = _enacted.setdefault((case, "stock" if impl == "ours" else "ours"), -1)
+    _enacted[(case, impl)] = n
+    if other >= 0:
+        assert n == other, f"{impl} enacted {n} actions, the other manager {other}"
