@@ -218,3 +218,45 @@ def test_bad_measure_names_key() -> None:
         ours.ActiveMemoryManagerExtension(
             FakeScheduler(), policies=set(), register=False, start=False, measure="nope"
         )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_keep_replicas_same_under_stock_manager(seed: int) -> None:
+    """KeepReplicas plus our ReduceReplicas decide the same under the stock manager
+    (generators) and ours (ReduceReplicas in bulk, honouring the targets)."""
+    rng = random.Random(seed)
+    s = random_state(rng, nworkers=rng.randint(2, 15), ntasks=rng.randint(5, 80))
+    keys = rng.sample(sorted(s.tasks), rng.randint(1, 5))
+    n = rng.choice([None, 1, 2, 3])
+
+    def policies() -> list:
+        return [ours.KeepReplicas(keys, n=n), ours.ReduceReplicas()]
+
+    stock_dec, our_dec, _, _ = run_both(s, policies)
+    assert our_dec == stock_dec
+
+
+def test_keep_replicas_contract() -> None:
+    s = FakeScheduler()
+    a = s.add_worker("a", 50)
+    b = s.add_worker("b", 10)
+    c = s.add_worker("c", 30)
+    d = s.add_worker("d", 0, Status.paused)
+    s.add_task("x", 5, [a, d])
+    s.add_task("y", 5, [a, b])
+    s.add_task("z", 5, [c])
+    keep = ours.KeepReplicas(["x", "y", "missing"], n=2)
+    make(ours.ActiveMemoryManagerExtension, s, [keep, ours.ReduceReplicas()]).run_once()
+    # x has one replica on a running worker: one more, on the least loaded (b);
+    # ReduceReplicas then keeps 2 in total, releasing the paused worker's copy.
+    # y already has 2 and is kept; z is not covered and has a single replica.
+    assert s.take() == {("replicate", b.address, "x"), ("drop", d.address, "x")}
+
+    everywhere = ours.KeepReplicas(["z"])
+    make(ours.ActiveMemoryManagerExtension, s, [everywhere, ours.ReduceReplicas()]).run_once()
+    # Every running worker (a, b, c), never the paused one; ReduceReplicas drops
+    # the replicas of x and y beyond 1 since they are not covered any more.
+    assert {act for act in s.take() if act[2] == "z"} == {
+        ("replicate", a.address, "z"),
+        ("replicate", b.address, "z"),
+    }

@@ -74,7 +74,9 @@ class KeepReplicas(ActiveMemoryManagerPolicy):
       loaded running workers without a replica. Keys not (yet) in memory are skipped
       and picked up by later runs once computed.
     - It never drops anything. While registered, ``ReduceReplicas`` keeps ``n`` (or
-      the number of running workers) replicas of these keys instead of 1.
+      the number of running workers) replicas of these keys in total instead of 1;
+      as it drops from paused/retiring workers first, copies there are released once
+      running workers hold the target.
     - Keeping the keys alive is the client's job (hold futures); the policy does not
       pin keys that the scheduler forgets.
 
