@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 
-from dask_shm.spans.span import MEMORY_FIELDS, SPILL_METRICS
+from dask_shm.spans.span import MEMORY_FIELDS
 
 if TYPE_CHECKING:
     from dask_shm.spans.scheduler import SpansSchedulerExtension
@@ -97,8 +97,6 @@ class SchedulerSpansCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        from dask_shm.spans.span import spill_metrics_into
-
         server = _stock_server("distributed.http.scheduler.prometheus.core", "_collectors")
         ext = _pick(_scheduler_exts, server, "scheduler")
         if ext is None:
@@ -115,8 +113,7 @@ class SchedulerSpansCollector:
             if any(held):
                 for field, value in zip(MEMORY_FIELDS, held, strict=True):
                     memory.add_metric([*labels, field], value)
-            spill = dict.fromkeys(SPILL_METRICS, 0.0)
-            spill_metrics_into(spill, span._cumulative_worker_metrics)
+            spill = span.own_spill_metrics
             if any(spill.values()):
                 _add_spill(nbytes, seconds, labels, spill)
         yield memory

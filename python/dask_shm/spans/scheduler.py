@@ -26,7 +26,8 @@ from distributed.spans import SpanMetadata
 from distributed.spans import SpansSchedulerExtension as _StockSchedulerExtension
 
 from dask_shm.spans._tracking import attach_group
-from dask_shm.spans.span import MEMORY_FIELDS, SPILL_METRICS, Span
+from dask_shm.spans.prometheus import register_scheduler_extension
+from dask_shm.spans.span import MEMORY_FIELDS, Span
 from dask_shm.spans.worker import METRIC_NAME
 
 if TYPE_CHECKING:
@@ -73,8 +74,6 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
         self.worker_held = {}
         scheduler.handlers[RPC_NAME] = self.span_memory_records
         scheduler.add_plugin(_WorkerRemovalPlugin(self), name=PLUGIN_NAME)
-        from dask_shm.spans.prometheus import register_scheduler_extension
-
         register_scheduler_extension(self)
 
     # --- span tree ---------------------------------------------------------------
@@ -254,20 +253,17 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
     # --- client queries ----------------------------------------------------------
 
     def span_memory_records(self, own: bool = False) -> list[dict[str, Any]]:
-        """One record per span, in creation order: name, id, parent id, whether it is
-        done, its held bytes (:class:`SpanMemory` fields, for the span tree or, with
-        ``own=True``, for the span alone) and its cumulative spill metrics (always
-        for the tree, or the span alone with ``own=True``)."""
+        """Handler of the ``dask_shm_span_memory`` RPC: one record per span, in
+        creation order, with its name (tags joined by ``" / "``), id, parent id,
+        ``done``, held bytes (:class:`~dask_shm.spans.SpanMemory` fields) and spill
+        metrics (:attr:`Span.spill_metrics` keys).
+
+        Figures cover the span and its sub-spans, or the span alone if ``own``.
+        """
         out = []
         for span in self.spans.values():
             held = span.own_held if own else span.held
-            if own:
-                from dask_shm.spans.span import spill_metrics_into
-
-                spill = dict.fromkeys(SPILL_METRICS, 0.0)
-                spill_metrics_into(spill, span._cumulative_worker_metrics)
-            else:
-                spill = span.spill_metrics
+            spill = span.own_spill_metrics if own else span.spill_metrics
             parent = span.parent
             out.append(
                 {

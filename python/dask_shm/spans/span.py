@@ -255,6 +255,14 @@ class Span(StockSpan):
             spill_metrics_into(out, sp._cumulative_worker_metrics)
         return out
 
+    @property
+    def own_spill_metrics(self) -> dict[str, float]:
+        """Like :attr:`spill_metrics`, but only for the tasks of this span, not its
+        children."""
+        out = dict.fromkeys(SPILL_METRICS, 0.0)
+        spill_metrics_into(out, self._cumulative_worker_metrics)
+        return out
+
 
 def spill_metrics_into(out: dict[str, float], metrics: dict[tuple[Hashable, ...], float]) -> None:
     """Add the disk-write / disk-read entries of span-level fine performance metrics

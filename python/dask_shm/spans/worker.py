@@ -34,6 +34,9 @@ from dask.typing import Key
 from distributed.sizeof import safe_sizeof
 from distributed.spans import SpansWorkerExtension as _StockWorkerExtension
 
+from dask_shm.spans.prometheus import register_worker_extension
+from dask_shm.spans.span import SPILL_METRICS, spill_metrics_into
+
 if TYPE_CHECKING:
     from distributed import Worker
 
@@ -134,8 +137,6 @@ class SpansWorkerExtension(_StockWorkerExtension):
     def __init__(self, worker: Worker):
         super().__init__(worker)
         worker.metrics[METRIC_NAME] = memory_report
-        from dask_shm.spans.prometheus import register_worker_extension
-
         register_worker_extension(self)
 
     def close(self) -> None:
@@ -146,8 +147,6 @@ class SpansWorkerExtension(_StockWorkerExtension):
     def cumulative_spill_by_span(self) -> dict[str, dict[str, float]]:
         """``{span_id: spill metrics}`` accumulated by this worker since it started
         (see :attr:`dask_shm.spans.Span.spill_metrics`)."""
-        from dask_shm.spans.span import SPILL_METRICS, spill_metrics_into
-
         per_span: dict[str, dict[tuple[Hashable, ...], float]] = {}
         for key, value in list(self.worker.digests_total.items()):
             if isinstance(key, tuple) and len(key) >= 4 and key[0] in ("execute", "p2p"):
