@@ -185,6 +185,23 @@ def describe(world: World) -> dict[str, Any]:
     if ext.root_spans:
         out["merge_all"] = describe_span(ext.merge_all())
     # Default-span ids are random; everything else must match exactly
+    # The instrumented TaskGroups still look and behave like stock ones
+    out["task_groups"] = [
+        (
+            isinstance(tg, TaskGroup),
+            type(tg.states).__mro__[-2],
+            dict(tg.states),
+            tg.done,
+            tg.nbytes_total,
+            tg.duration,
+            dict(tg.all_durations),
+            tg.start,
+            tg.stop,
+            tg.prefix.nbytes_total,
+            dict(tg.prefix.states),
+        )
+        for tg in world.groups
+    ]
     out["observed"] = world.observed
     out["annotations"] = [ts.annotations for ts in world.tasks]
     return out

@@ -21,7 +21,7 @@ stock method ran, so the counters equal what a full walk would compute.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
@@ -90,7 +90,9 @@ _TRACKED_CLASSES: dict[type, type] = {}
 
 
 def _lineage_of(tg: TaskGroup) -> tuple[Span, ...]:
-    return cast(GroupStates, tg.states).lineage
+    # A copy of a tracked group has plain-dict states (see GroupStates.__reduce__):
+    # it forwards nothing.
+    return getattr(tg.states, "lineage", ())
 
 
 def _update_nbytes(self: TaskGroup, diff: int) -> None:
@@ -124,19 +126,22 @@ def tracked_class(cls: type) -> type:
         return _TRACKED_CLASSES[cls]
     except KeyError:
         pass
+    name = f"Tracked{cls.__name__}_{len(_TRACKED_CLASSES)}"
     sub = type(
-        cls.__name__,
+        name,
         (cls,),
         {
             "__slots__": (),
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
+            # Importable under this name, so that instances can be pickled
+            "__module__": __name__,
+            "__qualname__": name,
             "update_nbytes": _update_nbytes,
             "add_duration": _add_duration,
             "_dask_shm_tracked": True,
         },
     )
     _TRACKED_CLASSES[cls] = sub
+    globals()[name] = sub
     return sub
 
 
