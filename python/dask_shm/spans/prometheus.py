@@ -133,7 +133,7 @@ class WorkerSpansCollector:
         ext = _pick(_worker_exts, server, "worker")
         if ext is None:
             return
-        by_span, by_key = memory_by_span(ext.worker)
+        by_span, by_key, _ = memory_by_span(ext.worker, ext.span_hints)
         if by_key:
             unattributed = [0] * len(MEMORY_FIELDS)
             for _, figures in by_key:

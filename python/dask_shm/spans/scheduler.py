@@ -28,7 +28,7 @@ from distributed.spans import SpansSchedulerExtension as _StockSchedulerExtensio
 from dask_shm.spans._tracking import attach_group
 from dask_shm.spans.prometheus import register_scheduler_extension
 from dask_shm.spans.span import MEMORY_FIELDS, Span
-from dask_shm.spans.worker import METRIC_NAME
+from dask_shm.spans.worker import HINTS_OP, METRIC_NAME, _as_key
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -216,8 +216,8 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
                 logger.warning("Ignoring malformed span memory report from %s: %s", ws.address, e)
 
     def update_worker_held(self, address: str, report: dict[str, Any]) -> None:
-        """Make ``report`` (see :func:`dask_shm.spans.worker.memory_report`) the
-        current figures of worker ``address``.
+        """Make ``report`` (see :meth:`dask_shm.spans.SpansWorkerExtension.memory_report`)
+        the current figures of worker ``address``.
 
         Keys the worker couldn't attribute to a span are looked up in the scheduler's
         task table; keys unknown to the scheduler, or in no span, are not counted.
@@ -227,11 +227,20 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
             if span_id in self.spans:
                 _accumulate(new, span_id, figures)
         tasks = self.scheduler.tasks
+        hints = []
         for key, figures in report.get("by_key", ()):
-            ts = tasks.get(_as_key(key))
+            key = _as_key(key)
+            ts = tasks.get(key)
             span_id = ts.group.span_id if ts is not None else None
             if span_id is not None and span_id in self.spans:
                 _accumulate(new, span_id, figures)
+                hints.append((key, span_id))
+        if hints and report.get("hints"):
+            # The worker's extension handles HINTS_OP (it said so): tell it the spans,
+            # so that it aggregates these keys itself from now on.
+            bcomm = self.scheduler.stream_comms.get(address)
+            if bcomm is not None:
+                bcomm.send({"op": HINTS_OP, "spans": hints})
         old = self.worker_held.get(address, {})
         self._apply_delta(old, new)
         self.worker_held[address] = new
@@ -295,13 +304,6 @@ def _accumulate(into: dict[str, list[int]], span_id: str, figures: Iterable[int]
     else:
         for i, v in enumerate(values):
             acc[i] += v
-
-
-def _as_key(key: object) -> Key:
-    """Undo msgpack turning tuple keys into lists."""
-    if isinstance(key, list):
-        return tuple(_as_key(k) for k in key)
-    return key  # type: ignore[return-value]
 
 
 def _convert(old: StockSpan, parent: Span | None, history: list[tuple[float, int]]) -> Span:

@@ -21,7 +21,8 @@ reported next to ``memory`` / ``spilled``, not subtracted from them.
 
 Each key is attributed to the span of its task on the worker (``TaskState.span_id``,
 set when the worker computes it). Keys the worker only holds as a replica have no
-span on the worker; they are reported by key and the scheduler attributes them.
+span on the worker; they are reported by key, the scheduler attributes them and
+tells the worker their span (see :class:`SpansWorkerExtension`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Name of the ``Worker.metrics`` entry carrying the per-span memory report
 METRIC_NAME = "dask_shm_span_memory"
+#: Scheduler -> worker stream message carrying span ids of reported keys
+HINTS_OP = "dask_shm_span_hints"
 
 MEMORY, SPILLED, SPILLED_DISK, SHARED = range(4)
 
@@ -100,49 +103,86 @@ def _key_figures(worker: Worker) -> Iterable[tuple[Key, list[int]]]:
         yield key, [int(nbytes), 0, 0, shared]
 
 
-def memory_by_span(worker: Worker) -> tuple[dict[str, list[int]], list[tuple[Key, list[int]]]]:
+#: A span id learned from the scheduler for a key that has no span on the worker,
+#: valid for as long as the worker keeps the same TaskState for the key.
+SpanHint = tuple[str, object]
+
+
+def memory_by_span(
+    worker: Worker, hints: dict[Key, SpanHint] | None = None
+) -> tuple[dict[str, list[int]], list[tuple[Key, list[int]]], dict[Key, SpanHint]]:
     """Bytes held by the worker per span id, as ``{span_id: [memory, spilled,
-    spilled_disk, shared]}``, plus the per-key figures of the keys that have no span
-    on this worker."""
+    spilled_disk, shared]}``; the per-key figures of the keys that have no span on
+    this worker nor in ``hints``; and the hints that were used (the others are stale).
+    """
     tasks = worker.state.tasks
+    hints = hints or {}
     by_span: dict[str, list[int]] = {}
     by_key: list[tuple[Key, list[int]]] = []
+    used: dict[Key, SpanHint] = {}
     for key, figures in _key_figures(worker):
         ts = tasks.get(key)
         span_id = ts.span_id if ts is not None else None
         if span_id is None:
-            by_key.append((key, figures))
-            continue
+            hint = hints.get(key)
+            if hint is not None and hint[1] is ts:
+                span_id = hint[0]
+                used[key] = hint
+            else:
+                by_key.append((key, figures))
+                continue
         acc = by_span.get(span_id)
         if acc is None:
             by_span[span_id] = figures
         else:
             for i, v in enumerate(figures):
                 acc[i] += v
-    return by_span, by_key
-
-
-def memory_report(worker: Worker) -> dict[str, Any]:
-    """The heartbeat payload: ``{"by_span": {span_id: [memory, spilled, spilled_disk,
-    shared]}, "by_key": [(key, [memory, spilled, spilled_disk, shared]), ...]}``."""
-    by_span, by_key = memory_by_span(worker)
-    return {"by_span": by_span, "by_key": by_key}
+    return by_span, by_key, used
 
 
 class SpansWorkerExtension(_StockWorkerExtension):
     """Drop-in for :class:`distributed.spans.SpansWorkerExtension`
     (``collect_digests`` and ``heartbeat`` unchanged) that adds the per-span memory
-    report to the worker's heartbeat metrics."""
+    report (:meth:`memory_report`) to the worker's heartbeat metrics.
+
+    Keys held without a span on this worker (replicas fetched from other workers) are
+    reported by key once; the scheduler answers with their span ids
+    (:data:`HINTS_OP` stream message), which are then used for as long as the worker
+    keeps the key, so later reports aggregate them by span too.
+    """
+
+    #: {key: (span id, the worker's TaskState for the key when the hint arrived)}
+    span_hints: dict[Key, SpanHint]
 
     def __init__(self, worker: Worker):
         super().__init__(worker)
-        worker.metrics[METRIC_NAME] = memory_report
+        self.span_hints = {}
+        worker.metrics[METRIC_NAME] = self.memory_report
+        worker.stream_handlers[HINTS_OP] = self._receive_hints
         register_worker_extension(self)
 
+    def memory_report(self, worker: Worker) -> dict[str, Any]:
+        """The heartbeat payload: ``{"by_span": {span_id: [memory, spilled,
+        spilled_disk, shared]}, "by_key": [(key, [memory, spilled, spilled_disk,
+        shared]), ...], "hints": True}``; ``hints`` tells the scheduler it may answer
+        with span ids for the keys in ``by_key``."""
+        by_span, by_key, self.span_hints = memory_by_span(worker, self.span_hints)
+        return {"by_span": by_span, "by_key": by_key, "hints": True}
+
+    def _receive_hints(self, spans: Iterable[tuple[Key, str]]) -> None:
+        tasks = self.worker.state.tasks
+        for key, span_id in spans:
+            key = _as_key(key)
+            ts = tasks.get(key)
+            if ts is not None and ts.span_id is None:
+                self.span_hints[key] = (span_id, ts)
+
     def close(self) -> None:
-        """Stop reporting memory (called by ``Worker.close``)."""
-        if self.worker.metrics.get(METRIC_NAME) is memory_report:
+        """Stop reporting memory (called by ``Worker.close``). The hints handler stays
+        registered, so that a message already on its way is not an unknown op."""
+        if self.worker.metrics.get(METRIC_NAME) == self.memory_report:
             del self.worker.metrics[METRIC_NAME]
+        self.span_hints = {}
 
     def cumulative_spill_by_span(self) -> dict[str, dict[str, float]]:
         """``{span_id: spill metrics}`` accumulated by this worker since it started
@@ -160,6 +200,13 @@ class SpansWorkerExtension(_StockWorkerExtension):
             if any(figures.values()):
                 out[span_id] = figures
         return out
+
+
+def _as_key(key: object) -> Key:
+    """Undo msgpack turning tuple keys into lists."""
+    if isinstance(key, list):
+        return tuple(_as_key(k) for k in key)
+    return key  # type: ignore[return-value]
 
 
 def install_worker_extension(worker: Worker) -> SpansWorkerExtension:
