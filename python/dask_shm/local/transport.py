@@ -30,6 +30,7 @@ import pickle
 import shutil
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from itertools import count
@@ -208,6 +209,15 @@ class _Endpoint:
             self.inflight.clear()
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 _endpoints: dict[str, _Endpoint] = {}
 _endpoints_lock = threading.Lock()
 
@@ -274,7 +284,6 @@ class Transport:
         if current is not None:
             # The reply of the task this thread is running. Outside the parent,
             # only that task's files are sure to exist until the reply is read.
-            ep.local.task = None
             msg_id, reply_to = 0, current[0]
             allowed = None if ep.is_owner else current[1]
         elif ep.is_owner:
@@ -294,11 +303,24 @@ class Transport:
                 refs.append(ref)
         if fresh:
             frames = [raw for _, raw in fresh]
-            stored = ep.store.put(ep.stem, frames, sum(f.nbytes for f in frames))
-            assert stored is not None, "FileStore.put without max_disk always stores"
-            for k, (i, raw) in enumerate(fresh):
-                refs[i] = (stored[0], k, 0, raw.nbytes)
+            try:
+                stored = ep.store.put(ep.stem, frames, sum(f.nbytes for f in frames))
+            except OSError as e:
+                # E.g. /dev/shm is full: send everything through the pipe.
+                _warn_once(
+                    f"dask_shm.get: cannot write to {self.directory} ({e}); "
+                    "sending data through pipes instead"
+                )
+                del fresh, frames, refs, big
+                payload = cloudpickle.dumps(obj, protocol=5)
+                refs = []
+                stored = None
+            if stored is not None:
+                for k, (i, raw) in enumerate(fresh):
+                    refs[i] = (stored[0], k, 0, raw.nbytes)
         final = tuple(refs)
+        if current is not None:
+            ep.local.task = None
         if msg_id and final:
             # Pin the files until the reply to this task has been loaded.
             names = tuple({r[0] for r in final})
