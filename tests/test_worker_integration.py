@@ -24,6 +24,18 @@ NO_MONITOR_KILL = {
 }
 
 
+def spilling_cluster(n_workers: int, memory_limit: str) -> LocalCluster:
+    """A LocalCluster of worker processes, each with our buffer sized from memory_limit."""
+    return LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=1,
+        processes=True,
+        memory_limit=memory_limit,
+        data=dask_shm.worker_data(memory_limit),
+        dashboard_address=":0",
+    )
+
+
 def worker_summary(dask_worker: Worker) -> dict:
     data = dask_worker.data
     return {
@@ -39,14 +51,7 @@ def test_local_cluster_spilling_reduction_matches_in_memory_result():
     expected = (x + 1).sum().compute(scheduler="threads")
     with dask.config.set(NO_MONITOR_KILL):
         with (
-            LocalCluster(
-                n_workers=2,
-                threads_per_worker=1,
-                processes=True,
-                memory_limit="100MiB",
-                data=dask_shm.worker_data("100MiB", nthreads=1),
-                dashboard_address=":0",
-            ) as cluster,
+            spilling_cluster(2, "100MiB") as cluster,
             Client(cluster) as client,
         ):
             y = (x + 1).persist()
@@ -137,14 +142,7 @@ def _spill_forever(n: int) -> None:
 def test_nanny_worker_killed_while_spilling_restarts_cleanly():
     with dask.config.set(NO_MONITOR_KILL):
         with (
-            LocalCluster(
-                n_workers=1,
-                threads_per_worker=1,
-                processes=True,
-                memory_limit="64MiB",
-                data=dask_shm.worker_data("64MiB"),
-                dashboard_address=":0",
-            ) as cluster,
+            spilling_cluster(1, "64MiB") as cluster,
             Client(cluster) as client,
         ):
             nanny: Nanny = next(iter(cluster.workers.values()))

@@ -11,8 +11,9 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import dask
 import dask.array as da
@@ -89,53 +90,30 @@ def run_spilling_workload(
 
 
 def format_table(stock: RunResult, ours: RunResult) -> str:
-    def ratio(a: float, b: float) -> str:
-        return f"{b / a:.2f}" if a else "-"
+    """Side-by-side table of two runs with the ratio ours/stock per row."""
 
-    rows = [
-        (
-            "wall time",
-            f"{stock.wall_seconds:.2f} s",
-            f"{ours.wall_seconds:.2f} s",
-            ratio(stock.wall_seconds, ours.wall_seconds),
-        ),
-        (
-            "bytes written to spill",
-            format_bytes(stock.spilled_bytes),
-            format_bytes(ours.spilled_bytes),
-            ratio(stock.spilled_bytes, ours.spilled_bytes),
-        ),
-        (
-            "time writing spill files",
-            f"{stock.disk_write_seconds:.3f} s",
-            f"{ours.disk_write_seconds:.3f} s",
-            ratio(stock.disk_write_seconds, ours.disk_write_seconds),
-        ),
-        (
-            "bytes read back",
-            format_bytes(stock.disk_read_bytes),
-            format_bytes(ours.disk_read_bytes),
-            ratio(stock.disk_read_bytes, ours.disk_read_bytes),
-        ),
-        (
-            "time reading spill files",
-            f"{stock.disk_read_seconds:.3f} s",
-            f"{ours.disk_read_seconds:.3f} s",
-            ratio(stock.disk_read_seconds, ours.disk_read_seconds),
-        ),
-        (
-            "result",
-            f"{stock.result:.6g}",
-            f"{ours.result:.6g}",
-            "same" if abs(stock.result - ours.result) <= 1e-9 * abs(stock.result) else "DIFFERENT",
-        ),
+    def seconds(v: float) -> str:
+        return f"{v:.3f} s"
+
+    measures: list[tuple[str, str, Callable[[Any], str]]] = [
+        ("wall time", "wall_seconds", seconds),
+        ("bytes written to spill", "spilled_bytes", format_bytes),
+        ("time writing spill files", "disk_write_seconds", seconds),
+        ("bytes read back", "disk_read_bytes", format_bytes),
+        ("time reading spill files", "disk_read_seconds", seconds),
     ]
+    rows = []
+    for label, field, fmt in measures:
+        a, b = getattr(stock, field), getattr(ours, field)
+        rows.append((label, fmt(a), fmt(b), f"{b / a:.2f}" if a else "-"))
+    same = abs(stock.result - ours.result) <= 1e-9 * abs(stock.result)
+    rows.append(
+        ("result", f"{stock.result:.6g}", f"{ours.result:.6g}", "same" if same else "DIFFERENT")
+    )
     header = ("", "stock distributed", "dask-shm", "ours/stock")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    lines = [header, tuple("-" * w for w in widths), *rows]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in lines)
 
 
 def _positive_bytes(text: str) -> int:
