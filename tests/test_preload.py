@@ -1,0 +1,79 @@
+"""Enabling dask-shm by preload and by config alone, as a user would."""
+
+from __future__ import annotations
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, Scheduler, Worker
+from distributed.utils_test import gen_cluster
+
+import dask_shm
+from dask_shm import SpillBuffer
+from dask_shm.amm import ActiveMemoryManagerExtension
+from dask_shm.config import enabled
+from dask_shm.spans import SpansSchedulerExtension, SpansWorkerExtension
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    scheduler_kwargs={"preload": ["dask_shm"]},
+    worker_kwargs={"preload": ["dask_shm"], "memory_limit": "1 GiB"},
+)
+async def test_preload_installs_everything(c, s, a):
+    assert isinstance(s.extensions["amm"], ActiveMemoryManagerExtension)
+    assert isinstance(s.extensions["spans"], SpansSchedulerExtension)
+    assert isinstance(a.extensions["spans"], SpansWorkerExtension)
+    assert isinstance(a.data, SpillBuffer)
+    assert a.data.n == int(2**30 * 0.6)
+    assert await c.submit(lambda x: x + 1, 1) == 2
+    # client.amm drives ours
+    assert await c.amm.running() in (True, False)
+    await c.amm.run_once()
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    config={
+        "distributed.scheduler.preload": ["dask_shm"],
+        "distributed.worker.preload": ["dask_shm"],
+        "shm.amm": False,
+    },
+    worker_kwargs={"memory_limit": "1 GiB"},
+)
+async def test_config_alone_enables_and_switches_disable(c, s, a):
+    assert not isinstance(s.extensions["amm"], ActiveMemoryManagerExtension)  # switched off
+    assert isinstance(s.extensions["spans"], SpansSchedulerExtension)
+    assert isinstance(a.data, SpillBuffer)
+
+
+def test_preload_in_worker_processes():
+    with dask.config.set({"distributed.worker.preload": ["dask_shm"]}):
+        with (
+            LocalCluster(
+                n_workers=1, processes=True, memory_limit="512MiB", dashboard_address=":0"
+            ) as cluster,
+            Client(cluster) as client,
+        ):
+            kinds = client.run(lambda dask_worker: type(dask_worker.data).__name__)
+    assert list(kinds.values()) == ["SpillBuffer"]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bad_switch_value_names_the_key(value):
+    with dask.config.set({"shm.amm": value}), pytest.raises(ValueError, match="shm.amm must be"):
+        enabled("amm")
+
+
+def test_bad_switch_value_makes_the_preload_raise_naming_the_key():
+    # distributed logs a failing preload with this message and carries on.
+    with dask.config.set({"shm.spans": "maybe"}):
+        with pytest.raises(ValueError, match="shm.spans must be true or false"):
+            dask_shm.dask_setup(Scheduler.__new__(Scheduler))
+
+
+def test_preload_refuses_other_servers():
+    with pytest.raises(TypeError, match="Scheduler or a Worker"):
+        dask_shm.dask_setup(object())
+    assert callable(Worker)
