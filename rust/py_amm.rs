@@ -82,6 +82,8 @@ pub struct AmmRun {
     workers: Vec<Py<PyAny>>,
     index: AddrMap,
     last_reject: i64,
+    /// Accepted actions of a deferring bulk policy: (task, worker, is_drop).
+    deferred: Vec<(Py<PyAny>, u32, bool)>,
 }
 
 impl AmmRun {
@@ -154,21 +156,42 @@ impl AmmRun {
         Ok(state.extract::<&str>().is_ok_and(|s| s == "memory"))
     }
 
-    /// Find, account and record (in `pending_repl`) a recipient for `ts`.
+    /// Record an accepted action in its `pending` set, or, without one, in the
+    /// deferred log (enacted by `group_actions` like the `pending` entries).
+    fn record(
+        &mut self,
+        set: Option<&Bound<'_, PySet>>,
+        ts: &Bound<'_, PyAny>,
+        w: u32,
+        is_drop: bool,
+    ) -> PyResult<()> {
+        match set {
+            Some(set) => set.add(self.workers[w as usize].bind(ts.py())),
+            None => {
+                self.deferred.push((ts.clone().unbind(), w, is_drop));
+                Ok(())
+            }
+        }
+    }
+
+    /// Find, account and record (in `pending_repl`, or deferred if None) a
+    /// recipient for `ts`.
     fn replicate_into<'py>(
         &mut self,
         ts: &Bound<'py, PyAny>,
         candidates: Option<&[u32]>,
         holders: &[u32],
-        pending_repl: &Bound<'py, PySet>,
+        pending_repl: Option<&Bound<'py, PySet>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let pending = self.positions(pending_repl.as_any())?;
+        let pending = match pending_repl {
+            Some(set) => self.positions(set.as_any())?,
+            None => Vec::new(),
+        };
         match self.table.find_recipient(candidates, holders, &pending) {
             Ok(w) => {
                 self.table.add_replica(w, Self::nbytes(ts)?);
-                let ws = self.worker(ts.py(), w);
-                pending_repl.add(&ws)?;
-                Ok(Some(ws))
+                self.record(pending_repl, ts, w, false)?;
+                Ok(Some(self.worker(ts.py(), w)))
             }
             Err(e) => {
                 self.last_reject = recipient_code(e);
@@ -209,6 +232,7 @@ impl AmmRun {
             workers: workers.into_iter().map(Bound::unbind).collect(),
             index,
             last_reject: 0,
+            deferred: Vec::new(),
         })
     }
 
@@ -268,7 +292,7 @@ impl AmmRun {
             Some(c) if !c.is_none() => Some(self.positions(c)?),
             _ => None,
         };
-        self.replicate_into(ts, cands.as_deref(), &holders, pending_repl)
+        self.replicate_into(ts, cands.as_deref(), &holders, Some(pending_repl))
     }
 
     /// Stock `_find_dropper` plus accounting: choose the holder of `ts` among
@@ -321,13 +345,17 @@ impl AmmRun {
     /// `tasks` (normally `scheduler.replicated_tasks`), ask to drop every replica
     /// beyond `max(desired, waiters)` (desired from `targets`, default 1),
     /// counting this run's pending actions, and record accepted drops in
-    /// `pending`. Returns `(tasks suggested, drops suggested)`.
-    #[pyo3(signature = (tasks, pending, targets=None))]
+    /// `pending`. With `defer` (no policy runs after this one), only entries
+    /// that already exist are updated; new accepted drops go to the deferred
+    /// log and suggestions create no entries. Returns `(tasks suggested, drops
+    /// suggested)`.
+    #[pyo3(signature = (tasks, pending, targets=None, defer=false))]
     fn reduce_replicas(
         &mut self,
         tasks: &Bound<'_, PyAny>,
         pending: &Bound<'_, PyDict>,
         targets: Option<&Bound<'_, PyDict>>,
+        defer: bool,
     ) -> PyResult<(usize, i64)> {
         let py = tasks.py();
         let check_pending = !pending.is_empty();
@@ -388,9 +416,10 @@ impl AmmRun {
             }
             nkeys += 1;
             ndrop_total += ndrop;
-            let (_, drop_set) = match existing {
-                Some(e) => split_entry(&e)?,
-                None => entry(pending, &ts)?,
+            let drop_set = match existing {
+                Some(e) => Some(split_entry(&e)?.1),
+                None if defer => None,
+                None => Some(entry(pending, &ts)?.1),
             };
             if n_holders == 0 || Self::is_actor(&ts)? {
                 continue; // every suggestion is rejected
@@ -398,7 +427,9 @@ impl AmmRun {
             holders.clear();
             self.positions_into(&who_has, &mut holders)?;
             dropping.clear();
-            self.positions_into(drop_set.as_any(), &mut dropping)?;
+            if let Some(set) = &drop_set {
+                self.positions_into(set.as_any(), &mut dropping)?;
+            }
             let deps = self.dependents(&ts)?;
             let nbytes = Self::nbytes(&ts)?;
             for _ in 0..ndrop {
@@ -407,7 +438,7 @@ impl AmmRun {
                     break;
                 };
                 self.table.drop_replica(w, nbytes);
-                drop_set.add(self.workers[w as usize].bind(py))?;
+                self.record(drop_set.as_ref(), &ts, w, true)?;
                 dropping.push(w);
             }
         }
@@ -419,11 +450,14 @@ impl AmmRun {
     /// dropping from `ws`; keys that stay unique (or whose other replicas are all
     /// on workers that are not running) are replicated to the least loaded
     /// running worker unless a replication is already pending. Records
-    /// everything in `pending`. Returns `(keys to move, keys with no recipient)`.
+    /// everything in `pending` (`defer`: as in `reduce_replicas`). Returns
+    /// `(keys to move, keys with no recipient)`.
+    #[pyo3(signature = (ws, pending, defer=false))]
     fn retire_worker(
         &mut self,
         ws: &Bound<'_, PyAny>,
         pending: &Bound<'_, PyDict>,
+        defer: bool,
     ) -> PyResult<(usize, usize)> {
         let py = ws.py();
         let w = self.pos_or_key_error(ws)?;
@@ -441,28 +475,42 @@ impl AmmRun {
             let n_holders = if who_has.is_none() { 0 } else { who_has.len()? };
             holders.clear();
             self.positions_into(&who_has, &mut holders)?;
-            let mut known: Option<Entry<'_>> = None;
+            // Some(entry or None if deferring and absent) once looked up.
+            let mut known: Option<Option<Entry<'_>>> = None;
             if n_holders > 1 {
-                let (repl_set, drop_set) = entry(pending, &ts)?;
+                let found = if defer {
+                    match check_pending
+                        .then(|| pending.get_item(&ts))
+                        .transpose()?
+                        .flatten()
+                    {
+                        Some(e) => Some(split_entry(&e)?),
+                        None => None,
+                    }
+                } else {
+                    Some(entry(pending, &ts)?)
+                };
                 dropping.clear();
-                self.positions_into(drop_set.as_any(), &mut dropping)?;
+                if let Some((_, drop_set)) = &found {
+                    self.positions_into(drop_set.as_any(), &mut dropping)?;
+                }
                 let deps = self.dependents(&ts)?;
                 if let Ok(d) = self
                     .table
                     .find_dropper(&holders, &dropping, Some(&only_ws), &deps)
                 {
                     self.table.drop_replica(d, Self::nbytes(&ts)?);
-                    drop_set.add(self.workers[d as usize].bind(py))?;
+                    self.record(found.as_ref().map(|e| &e.1), &ts, d, true)?;
                     continue;
                 }
                 if holders.iter().any(|&h| self.table.eligible(h)) {
                     continue; // a running worker keeps a replica
                 }
-                known = Some((repl_set, drop_set));
+                known = Some(found);
             }
             nrepl += 1;
             let repl_set = match known {
-                Some((r, _)) => Some(r),
+                Some(found) => found.map(|e| e.0),
                 None if check_pending => match pending.get_item(&ts)? {
                     Some(e) => Some(split_entry(&e)?.0),
                     None => None,
@@ -472,13 +520,17 @@ impl AmmRun {
             if repl_set.as_ref().is_some_and(|r| !r.is_empty()) {
                 continue; // another policy already asked for a replica
             }
-            let (repl_set, _) = entry(pending, &ts)?;
+            let repl_set = match repl_set {
+                Some(set) => Some(set),
+                None if defer => None,
+                None => Some(entry(pending, &ts)?.0),
+            };
             if !Self::in_memory(&ts)? {
                 nno_rec += 1;
                 continue;
             }
             if self
-                .replicate_into(&ts, None, &holders, &repl_set)?
+                .replicate_into(&ts, None, &holders, repl_set.as_ref())?
                 .is_none()
             {
                 nno_rec += 1;
@@ -487,7 +539,8 @@ impl AmmRun {
         Ok((nrepl, nno_rec))
     }
 
-    /// Group the accepted actions of `pending` by worker, as stock enacts them:
+    /// Group the accepted actions of `pending` and of the deferred log by
+    /// worker, as stock enacts them:
     /// tasks that lost all replicas are skipped. Returns `(replications,
     /// drops)`, each a list of `(worker, [keys])`. With `validate`, raises
     /// AssertionError if an action would drop the last replica, replicate onto
@@ -556,6 +609,22 @@ impl AmmRun {
                     }
                 }
             }
+        }
+        for (ts, w, is_drop) in &self.deferred {
+            let ts = ts.bind(py);
+            let who_has = ts.getattr(intern!(py, "who_has"))?;
+            if who_has.is_none() || !who_has.is_truthy()? {
+                continue;
+            }
+            if validate && who_has.contains(self.workers[*w as usize].bind(py))? != *is_drop {
+                return Err(PyAssertionError::new_err(format!(
+                    "invalid deferred action on {}",
+                    ts.repr()?
+                )));
+            }
+            let key = ts.getattr(intern!(py, "key"))?;
+            let lists = if *is_drop { &mut drop } else { &mut repl };
+            lists[*w as usize].push(key);
         }
         let out_repl = PyList::empty(py);
         let out_drop = PyList::empty(py);

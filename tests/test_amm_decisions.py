@@ -260,3 +260,35 @@ def test_keep_replicas_contract() -> None:
         ("replicate", a.address, "z"),
         ("replicate", b.address, "z"),
     }
+
+
+class PendingProbe(ActiveMemoryManagerPolicy):
+    """Records the whole ``pending`` dict and ``workers_memory`` as it sees them."""
+
+    def __init__(self) -> None:
+        self.seen: Any = None
+
+    def run(self):
+        self.seen = (
+            {
+                ts.key: (sorted(w.address for w in r), sorted(w.address for w in d))
+                for ts, (r, d) in self.manager.pending.items()
+            },
+            {ws.address: m for ws, m in self.manager.workers_memory.items()},
+        )
+        return
+        yield
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bulk_policies_leave_stock_pending_for_later_policies(seed: int) -> None:
+    rng = random.Random(seed)
+    s = random_state(rng, nworkers=rng.randint(2, 20), ntasks=rng.randint(1, 120))
+    retiring = rng.choice(list(s.workers.values())).address
+
+    def policies() -> list:
+        return [stock.ReduceReplicas(), stock.RetireWorker(retiring), PendingProbe()]
+
+    stock_dec, our_dec, sp, op = run_both(s, policies)
+    assert op[2].seen == sp[2].seen
+    assert our_dec == stock_dec

@@ -153,9 +153,14 @@ class AmmRun:
         tasks: Iterable[_Any],
         pending: dict[_Any, _Any],
         targets: dict[_Any, int] | None = None,
+        defer: bool = False,
     ) -> tuple[int, int]:
-        """Stock ReduceReplicas in one pass; returns (tasks suggested, drops suggested)."""
-    def retire_worker(self, ws: _Any, pending: dict[_Any, _Any]) -> tuple[int, int]:
+        """Stock ReduceReplicas in one pass; returns (tasks suggested, drops suggested).
+        ``defer``: new accepted actions are kept for ``group_actions`` instead of
+        ``pending`` (for the last policy of a run)."""
+    def retire_worker(
+        self, ws: _Any, pending: dict[_Any, _Any], defer: bool = False
+    ) -> tuple[int, int]:
         """Stock RetireWorker in one pass; returns (keys to move, keys without recipient)."""
     def group_actions(
         self, pending: dict[_Any, _Any], validate: bool

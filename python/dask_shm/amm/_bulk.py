@@ -25,14 +25,17 @@ if TYPE_CHECKING:
 #: Stock's policy logger: our runners emit its messages for parity.
 policy_logger = stock.logger
 
-Runner = Callable[["ActiveMemoryManagerExtension", Any], None]
+Runner = Callable[["ActiveMemoryManagerExtension", Any, bool], None]
 
 
-def run_reduce_replicas(manager: ActiveMemoryManagerExtension, policy: Any) -> None:
-    """Bulk equivalent of ``ReduceReplicas.run`` (KeepReplicas targets honoured)."""
+def run_reduce_replicas(
+    manager: ActiveMemoryManagerExtension, policy: Any, last: bool = False
+) -> None:
+    """Bulk equivalent of ``ReduceReplicas.run`` (KeepReplicas targets honoured).
+    ``last``: no policy runs after this one in the current run."""
     targets = replica_targets(manager) or None
     nkeys, ndrop = manager._run.reduce_replicas(
-        manager.scheduler.replicated_tasks, manager.pending, targets
+        manager.scheduler.replicated_tasks, manager.pending, targets, last
     )
     if ndrop:
         policy_logger.debug(
@@ -40,8 +43,11 @@ def run_reduce_replicas(manager: ActiveMemoryManagerExtension, policy: Any) -> N
         )
 
 
-def run_retire_worker(manager: ActiveMemoryManagerExtension, policy: Any) -> None:
-    """Bulk equivalent of ``RetireWorker.run``, with its side effects on ``policy``."""
+def run_retire_worker(
+    manager: ActiveMemoryManagerExtension, policy: Any, last: bool = False
+) -> None:
+    """Bulk equivalent of ``RetireWorker.run``, with its side effects on ``policy``.
+    ``last``: no policy runs after this one in the current run."""
     ws = manager.scheduler.workers.get(policy.address)
     if ws is None or ws not in manager._run:
         policy_logger.debug("Removing policy %s: Worker no longer in cluster", policy)
@@ -58,7 +64,7 @@ def run_retire_worker(manager: ActiveMemoryManagerExtension, policy: Any) -> Non
         return
 
     policy_logger.debug("Retiring %s", ws)
-    nrepl, nno_rec = manager._run.retire_worker(ws, manager.pending)
+    nrepl, nno_rec = manager._run.retire_worker(ws, manager.pending, last)
     if nno_rec:
         policy.no_recipients = True
         policy_logger.warning(

@@ -135,8 +135,7 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
             self.workers_memory = WorkersMemory(self._run)
             try:
                 self._run_policies()
-                if self.pending:
-                    self._enact_suggestions()
+                self._enact_suggestions()  # also when ``pending`` is empty: deferred
             finally:
                 del self.workers_memory
                 del self.pending
@@ -150,11 +149,14 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
         """Run every registered policy once, in bulk where we know its contract."""
         from dask_shm.amm._bulk import bulk_runner
 
-        for policy in list(self.policies):  # a policy may remove itself
+        policies = list(self.policies)  # a policy may remove itself
+        for i, policy in enumerate(policies):
             logger.debug("Running policy: %s", policy)
             runner = bulk_runner(policy)
             if runner is not None:
-                runner(self, policy)
+                # The last policy may leave new actions out of ``pending``: no other
+                # policy will look, and enactment reads them from the Rust run.
+                runner(self, policy, i == len(policies) - 1)
             else:
                 self._run_generator(policy)
 
