@@ -75,7 +75,7 @@ def test_run_once(benchmark, case: str, impl: str) -> None:
         s.enacted.clear()
         return (amm,), {}
 
-    benchmark.pedantic(lambda amm: amm.run_once(), setup=setup, rounds=5, iterations=1)
+    benchmark.pedantic(lambda amm: amm.run_once(), setup=setup, rounds=3, iterations=1)
     n = len(s.take())
     assert n > 0
     other = _enacted.setdefault((case, "stock" if impl == "ours" else "ours"), -1)

@@ -252,3 +252,15 @@ def test_public_names() -> None:
         "RetireWorker",
         "install_scheduler_extension",
     }
+
+
+@gen_cluster(
+    client=True,
+    config={**MANUAL, "distributed.scheduler.preload": ["dask_shm.amm.preload"]},
+)
+async def test_preload_from_config(c, s, a, b):
+    assert isinstance(s.extensions["amm"], ActiveMemoryManagerExtension)
+    futs = await c.scatter({"x": 1}, broadcast=True)
+    await c.amm.run_once()
+    await until(lambda: len(s.tasks["x"].who_has) == 1)
+    assert await futs["x"] == 1

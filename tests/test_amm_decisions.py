@@ -292,3 +292,20 @@ def test_bulk_policies_leave_stock_pending_for_later_policies(seed: int) -> None
     stock_dec, our_dec, sp, op = run_both(s, policies)
     assert op[2].seen == sp[2].seen
     assert our_dec == stock_dec
+
+
+def test_subclass_overriding_run_is_not_run_in_bulk() -> None:
+    s = FakeScheduler()
+    a = s.add_worker("a", 1)
+    b = s.add_worker("b", 2)
+    s.add_task("x", 1, [a, b])
+
+    class Quiet(stock.ReduceReplicas):
+        def run(self):
+            return
+            yield
+
+    make(ours.ActiveMemoryManagerExtension, s, [Quiet()]).run_once()
+    assert s.take() == set()
+    make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()]).run_once()
+    assert s.take() == {("drop", b.address, "x")}
