@@ -1,14 +1,18 @@
 """Bulk execution of the policies whose contract we know.
 
 Each runner issues exactly the suggestions the policy's generator would yield, in the
-same order and with the same dependence on earlier choices, but decides them in one
-Rust call per batch instead of one generator round trip per suggestion. Side effects
-on the policy (``no_recipients``, removal from ``manager.policies``) and log records
-are the stock ones.
+same order and with the same dependence on earlier choices, but walks the scheduler's
+objects and decides every suggestion in one Rust pass (``AmmRun.reduce_replicas`` /
+``AmmRun.retire_worker``) instead of one generator round trip per suggestion. Side
+effects on the policy (``no_recipients``, removal from ``manager.policies``) and log
+records are the stock ones.
+
+``pending`` is filled as stock fills it, except by the last policy of a run: nothing
+reads ``pending`` after it, so its new actions stay in the Rust run, which enacts them
+with the rest.
 
 Only exact classes are run in bulk: a subclass that overrides ``run`` goes through the
-generator protocol.
-"""
+generator protocol."""
 
 from __future__ import annotations
 
