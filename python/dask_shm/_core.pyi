@@ -2,7 +2,7 @@
 
 from collections.abc import Iterable
 from os import PathLike
-from typing import final
+from typing import Any, final
 
 from typing_extensions import Buffer
 
@@ -108,7 +108,6 @@ def pages_unmodified(addr: int, length: int) -> bool:
     """
 
 # --- Active Memory Manager (rust/py_amm.rs) ---
-from typing import Any as _Any  # noqa: E402
 
 @final
 class AmmRun:
@@ -126,7 +125,7 @@ class AmmRun:
 
     def __init__(
         self,
-        workers: list[_Any],
+        workers: list[Any],
         memory: list[int],
         running: list[bool],
         eligible: list[bool],
@@ -135,35 +134,35 @@ class AmmRun:
     def __len__(self) -> int: ...
     def __contains__(self, ws: object) -> bool: ...
     @property
-    def workers(self) -> list[_Any]: ...
+    def workers(self) -> list[Any]: ...
     @property
     def last_reject(self) -> int: ...
-    def memory(self, ws: _Any) -> int:
+    def memory(self, ws: Any) -> int:
         """Memory downstream of accepted actions; KeyError if ``ws`` is unknown."""
-    def set_memory(self, ws: _Any, value: int) -> None: ...
-    def replicate(self, ts: _Any, candidates: _Any | None, pending_repl: set[_Any]) -> _Any | None:
+    def set_memory(self, ws: Any, value: int) -> None: ...
+    def replicate(self, ts: Any, candidates: Any | None, pending_repl: set[Any]) -> Any | None:
         """Least loaded running candidate without a replica or pending one; recorded
         in ``pending_repl`` and accounted. None if rejected."""
-    def drop(self, ts: _Any, candidates: _Any | None, pending_drop: set[_Any]) -> _Any | None:
+    def drop(self, ts: Any, candidates: Any | None, pending_drop: set[Any]) -> Any | None:
         """Holder to drop from: not pending, no dependents processing there, highest
         (not running, memory); never the last replica; ping-pong guard. None if
         rejected."""
     def reduce_replicas(
         self,
-        tasks: Iterable[_Any],
-        pending: dict[_Any, _Any],
-        targets: dict[_Any, int] | None = None,
+        tasks: Iterable[Any],
+        pending: dict[Any, Any],
+        targets: dict[Any, int] | None = None,
         defer: bool = False,
     ) -> tuple[int, int]:
         """Stock ReduceReplicas in one pass; returns (tasks suggested, drops suggested).
         ``defer``: new accepted actions are kept for ``group_actions`` instead of
         ``pending`` (for the last policy of a run)."""
     def retire_worker(
-        self, ws: _Any, pending: dict[_Any, _Any], defer: bool = False
+        self, ws: Any, pending: dict[Any, Any], defer: bool = False
     ) -> tuple[int, int]:
         """Stock RetireWorker in one pass; returns (keys to move, keys without recipient)."""
     def group_actions(
-        self, pending: dict[_Any, _Any], validate: bool
-    ) -> tuple[list[tuple[_Any, list[_Any]]], list[tuple[_Any, list[_Any]]]]:
+        self, pending: dict[Any, Any], validate: bool
+    ) -> tuple[list[tuple[Any, list[Any]]], list[tuple[Any, list[Any]]]]:
         """Accepted (replications, drops) by worker; AssertionError on invalid ones
         when ``validate``."""
