@@ -28,7 +28,7 @@ from distributed.spans import SpansSchedulerExtension as _StockSchedulerExtensio
 from dask_shm.spans._tracking import attach_group
 from dask_shm.spans.prometheus import register_scheduler_extension
 from dask_shm.spans.span import MEMORY_FIELDS, Span
-from dask_shm.spans.worker import HINTS_OP, METRIC_NAME, _as_key
+from dask_shm.spans.worker import HINTS_OP, METRIC_NAME, as_key
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -229,7 +229,7 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
         tasks = self.scheduler.tasks
         hints = []
         for key, figures in report.get("by_key", ()):
-            key = _as_key(key)
+            key = as_key(key)
             ts = tasks.get(key)
             span_id = ts.group.span_id if ts is not None else None
             if span_id is not None and span_id in self.spans:

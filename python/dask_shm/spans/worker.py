@@ -172,7 +172,7 @@ class SpansWorkerExtension(_StockWorkerExtension):
     def _receive_hints(self, spans: Iterable[tuple[Key, str]]) -> None:
         tasks = self.worker.state.tasks
         for key, span_id in spans:
-            key = _as_key(key)
+            key = as_key(key)
             ts = tasks.get(key)
             if ts is not None and ts.span_id is None:
                 self.span_hints[key] = (span_id, ts)
@@ -202,10 +202,10 @@ class SpansWorkerExtension(_StockWorkerExtension):
         return out
 
 
-def _as_key(key: object) -> Key:
+def as_key(key: object) -> Key:
     """Undo msgpack turning tuple keys into lists."""
     if isinstance(key, list):
-        return tuple(_as_key(k) for k in key)
+        return tuple(as_key(k) for k in key)
     return key  # type: ignore[return-value]
 
 
