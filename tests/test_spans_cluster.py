@@ -372,6 +372,24 @@ async def test_replicas_are_attributed_by_the_scheduler(
     assert ext_a.span_hints == {}
 
 
+@gen_cluster(client=True, nthreads=[("", 1)], worker_kwargs=OURS_WORKER)
+async def test_slow_memory_reports_are_reused(c: Client, s: Scheduler, a: Worker):
+    ext = a.extensions["spans"]
+    first = ext.memory_report(a)
+    fut = c.submit(block, 8000, 1, key="new-key")
+    await fut
+    fresh = ext.memory_report(a)  # small worker: computed afresh
+    assert fresh != first
+    # Pretend every report is slow and costs the whole event loop: it is reused
+    ext.SLOW_REPORT_SECONDS = -1.0
+    ext.MAX_LOOP_SHARE = 1e-12
+    slow = ext.memory_report(a)
+    del fut
+    while "new-key" in a.data:
+        await asyncio.sleep(0.01)
+    assert ext.memory_report(a) is slow
+
+
 # --- installing into running servers ---------------------------------------------
 
 

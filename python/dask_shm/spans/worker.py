@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
@@ -50,6 +51,10 @@ HINTS_OP = "dask_shm_span_hints"
 
 MEMORY, SPILLED, SPILLED_DISK, SHARED = range(4)
 
+#: A span id learned from the scheduler for a key that has no span on the worker,
+#: valid for as long as the worker keeps the same TaskState for the key.
+SpanHint = tuple[str, object]
+
 
 def _shared_bytes_of(data: Any) -> Callable[[Key], int] | None:
     """The data mapping's ``shared_bytes`` hook, made safe: a key it fails on (e.g.
@@ -68,29 +73,26 @@ def _shared_bytes_of(data: Any) -> Callable[[Key], int] | None:
     return shared_bytes
 
 
-def _key_figures(worker: Worker) -> Iterable[tuple[Key, list[int]]]:
-    """(key, [memory, spilled, spilled_disk, shared]) for every key in worker.data"""
+def _sources(worker: Worker) -> tuple[list[tuple[Key, int]], list[tuple[Key, Any]]]:
+    """Snapshot of ``(key, bytes in memory)`` and ``(key, SpilledSize)`` pairs of
+    worker.data (the second list is empty when data doesn't spill)."""
     data: Any = worker.data
-    shared_bytes = _shared_bytes_of(data)
-    fast = getattr(data, "fast", None)
-    weights: Mapping[Key, int] | None = getattr(fast, "weights", None)
-    slow = getattr(data, "_slow_uncached", None)
-    spilled: Mapping[Key, Any] | None = getattr(slow, "weight_by_key", None)
-
+    weights: Mapping[Key, int] | None = getattr(getattr(data, "fast", None), "weights", None)
+    spilled: Mapping[Key, Any] | None = getattr(
+        getattr(data, "_slow_uncached", None), "weight_by_key", None
+    )
     if weights is not None and spilled is not None:
-        for key, weight in list(weights.items()):
-            shared = shared_bytes(key) if shared_bytes else 0
-            yield key, [int(weight), 0, 0, shared]
+        in_memory = list(weights.items())  # atomic for a dict
+        on_disk = []
         for key in list(spilled):
             try:
-                size = spilled[key]
+                on_disk.append((key, spilled[key]))
             except KeyError:  # unspilled or released meanwhile
-                continue
-            shared = shared_bytes(key) if shared_bytes else 0
-            yield key, [0, int(size.memory), int(size.disk), shared]
-        return
+                pass
+        return in_memory, on_disk
 
     tasks = worker.state.tasks
+    in_memory = []
     for key in list(data):
         ts = tasks.get(key)
         nbytes = ts.nbytes if ts is not None else None
@@ -99,13 +101,8 @@ def _key_figures(worker: Worker) -> Iterable[tuple[Key, list[int]]]:
                 nbytes = safe_sizeof(data[key])
             except KeyError:  # released meanwhile
                 continue
-        shared = shared_bytes(key) if shared_bytes else 0
-        yield key, [int(nbytes), 0, 0, shared]
-
-
-#: A span id learned from the scheduler for a key that has no span on the worker,
-#: valid for as long as the worker keeps the same TaskState for the key.
-SpanHint = tuple[str, object]
+        in_memory.append((key, nbytes))
+    return in_memory, []
 
 
 def memory_by_span(
@@ -114,29 +111,52 @@ def memory_by_span(
     """Bytes held by the worker per span id, as ``{span_id: [memory, spilled,
     spilled_disk, shared]}``; the per-key figures of the keys that have no span on
     this worker nor in ``hints``; and the hints that were used (the others are stale).
+
+    Costs about half a microsecond per key held (plus the ``shared_bytes`` hook).
     """
-    tasks = worker.state.tasks
+    in_memory, on_disk = _sources(worker)
+    shared_bytes = _shared_bytes_of(worker.data)
+    tasks_get = worker.state.tasks.get
     hints = hints or {}
     by_span: dict[str, list[int]] = {}
     by_key: list[tuple[Key, list[int]]] = []
     used: dict[Key, SpanHint] = {}
-    for key, figures in _key_figures(worker):
-        ts = tasks.get(key)
+    # One pass per source; the loop body is inlined because it runs once per key.
+    for key, nbytes in in_memory:
+        ts = tasks_get(key)
         span_id = ts.span_id if ts is not None else None
         if span_id is None:
             hint = hints.get(key)
-            if hint is not None and hint[1] is ts:
-                span_id = hint[0]
-                used[key] = hint
-            else:
-                by_key.append((key, figures))
+            if hint is None or hint[1] is not ts:
+                shared = shared_bytes(key) if shared_bytes else 0
+                by_key.append((key, [int(nbytes), 0, 0, shared]))
                 continue
+            span_id = hint[0]
+            used[key] = hint
         acc = by_span.get(span_id)
         if acc is None:
-            by_span[span_id] = figures
-        else:
-            for i, v in enumerate(figures):
-                acc[i] += v
+            acc = by_span[span_id] = [0, 0, 0, 0]
+        acc[MEMORY] += nbytes
+        if shared_bytes:
+            acc[SHARED] += shared_bytes(key)
+    for key, size in on_disk:
+        ts = tasks_get(key)
+        span_id = ts.span_id if ts is not None else None
+        if span_id is None:
+            hint = hints.get(key)
+            if hint is None or hint[1] is not ts:
+                shared = shared_bytes(key) if shared_bytes else 0
+                by_key.append((key, [0, int(size.memory), int(size.disk), shared]))
+                continue
+            span_id = hint[0]
+            used[key] = hint
+        acc = by_span.get(span_id)
+        if acc is None:
+            acc = by_span[span_id] = [0, 0, 0, 0]
+        acc[SPILLED] += size.memory
+        acc[SPILLED_DISK] += size.disk
+        if shared_bytes:
+            acc[SHARED] += shared_bytes(key)
     return by_span, by_key, used
 
 
@@ -154,9 +174,19 @@ class SpansWorkerExtension(_StockWorkerExtension):
     #: {key: (span id, the worker's TaskState for the key when the hint arrived)}
     span_hints: dict[Key, SpanHint]
 
+    #: Reports that take longer than this to compute are reused by the following
+    #: heartbeats, so that reporting takes at most MAX_LOOP_SHARE of the event loop
+    SLOW_REPORT_SECONDS = 0.01
+    MAX_LOOP_SHARE = 0.05
+
+    _cached_report: dict[str, Any] | None
+    _cached_until: float
+
     def __init__(self, worker: Worker):
         super().__init__(worker)
         self.span_hints = {}
+        self._cached_report = None
+        self._cached_until = 0.0
         worker.metrics[METRIC_NAME] = self.memory_report
         worker.stream_handlers[HINTS_OP] = self._receive_hints
         register_worker_extension(self)
@@ -165,9 +195,25 @@ class SpansWorkerExtension(_StockWorkerExtension):
         """The heartbeat payload: ``{"by_span": {span_id: [memory, spilled,
         spilled_disk, shared]}, "by_key": [(key, [memory, spilled, spilled_disk,
         shared]), ...], "hints": True}``; ``hints`` tells the scheduler it may answer
-        with span ids for the keys in ``by_key``."""
+        with span ids for the keys in ``by_key``.
+
+        Computed afresh on every call, except on workers holding so many keys that
+        it takes more than :attr:`SLOW_REPORT_SECONDS` (roughly 10k keys or more):
+        there the last report is reused until ``cost / MAX_LOOP_SHARE`` seconds have
+        passed.
+        """
+        start = monotonic()
+        if self._cached_report is not None and start < self._cached_until:
+            return self._cached_report
         by_span, by_key, self.span_hints = memory_by_span(worker, self.span_hints)
-        return {"by_span": by_span, "by_key": by_key, "hints": True}
+        report = {"by_span": by_span, "by_key": by_key, "hints": True}
+        cost = monotonic() - start
+        if cost > self.SLOW_REPORT_SECONDS:
+            self._cached_report = report
+            self._cached_until = start + cost / self.MAX_LOOP_SHARE
+        else:
+            self._cached_report = None
+        return report
 
     def _receive_hints(self, spans: Iterable[tuple[Key, str]]) -> None:
         tasks = self.worker.state.tasks
