@@ -433,6 +433,13 @@ async def test_span_memory_needs_our_scheduler_extension(c: Client, s: Scheduler
         await span_memory(c)
 
 
+def test_span_memory_rejects_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="distributed.Client"):
+        span_memory("tcp://127.0.0.1:8786")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="own must be"):
+        span_memory(Client.__new__(Client), own="yes")  # type: ignore[arg-type]
+
+
 @gen_cluster(client=True)
 async def test_plugins_install_on_running_cluster(c: Client, s: Scheduler, a: Worker, b: Worker):
     await c.register_plugin(SpansSchedulerPlugin())

@@ -54,9 +54,17 @@ def span_memory(client: Client, *, own: bool = False) -> Any:
 
     Raises
     ------
+    TypeError
+        ``client`` is not a ``distributed.Client`` or ``own`` is not a bool.
     RuntimeError
         The scheduler does not run the dask-shm spans extension.
     """
+    from distributed import Client
+
+    if not isinstance(client, Client):
+        raise TypeError(f"span_memory needs a distributed.Client; got {client!r}")
+    if not isinstance(own, bool):
+        raise TypeError(f"own must be True or False; got {own!r}")
     return client.sync(_span_memory_checked, client, own)
 
 
