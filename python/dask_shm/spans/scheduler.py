@@ -61,7 +61,14 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
 
     ``spans``, ``root_spans``, ``spans_search_by_name``, ``spans_search_by_tag``,
     ``observe_tasks``, ``find_by_tags``, ``merge_all``, ``merge_by_tags`` and
-    ``heartbeat`` behave as in stock.
+    ``heartbeat`` behave as in stock, except that a malformed span annotation raises
+    ``ValueError`` (stock: ``AssertionError``) and heartbeat metrics for a span id
+    the scheduler doesn't know are dropped (stock: ``KeyError``, failing the
+    worker's heartbeat).
+
+    The scheduler's TaskGroups are instrumented when they join a span (see
+    :mod:`dask_shm.spans._tracking`); this costs about a microsecond per task
+    state transition.
     """
 
     spans: dict[str, Span]  # type: ignore[assignment]
