@@ -24,6 +24,7 @@ reply. Whatever is left is removed with the directory by :meth:`Transport.close`
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 import pickle
@@ -105,6 +106,9 @@ class _Endpoint:
         self.store = FileStore(directory)
         self.lock = threading.RLock()
         self.mappings: dict[int, _Mapping] = {}
+        #: Live mappings by base address, for finding the one holding a buffer.
+        self.bases: list[int] = []
+        self.by_base: dict[int, _Mapping] = {}
         self.refcounts: dict[str, int] = {}
         self.inflight: dict[int, tuple[str, ...]] = {}
         self.ids = count(1)
@@ -152,6 +156,7 @@ class _Endpoint:
             if mapping.live > 0:
                 return
             del self.mappings[key]
+            self._unindex(mapping)
         if self.is_owner:
             self._release([mapping.name])
 
@@ -166,6 +171,8 @@ class _Endpoint:
                 opened[name] = (id(mapping), mapping)
                 with self.lock:
                     self.mappings[id(mapping)] = mapping
+                    bisect.insort(self.bases, base)
+                    self.by_base[base] = mapping
                 if self.is_owner:
                     self._acquire([name])
             key, mapping = opened[name]
@@ -179,32 +186,38 @@ class _Endpoint:
             ranges.append(rng)
         return ranges
 
+    def _unindex(self, mapping: _Mapping) -> None:
+        i = bisect.bisect_left(self.bases, mapping.base)
+        if i < len(self.bases) and self.bases[i] == mapping.base:
+            del self.bases[i]
+            del self.by_base[mapping.base]
+
     def find(self, addr: int, length: int, allowed: frozenset[str] | None) -> Ref | None:
         """A reference to a live, unmodified mapping that holds these bytes."""
         with self.lock:
-            candidates = [
-                m
-                for m in self.mappings.values()
-                if m.base <= addr
-                and addr + length <= m.base + m.size
-                and (allowed is None or m.name in allowed)
-            ]
-        for m in candidates:
-            for i, (offset, flen) in enumerate(m.frames):
-                start = addr - (m.base + offset)
-                if 0 <= start and start + length <= flen:
-                    try:
-                        if not pages_unmodified(addr, length):
-                            return None
-                    except OSError:
-                        return None
-                    return (m.name, i, start, start + length)
+            i = bisect.bisect_right(self.bases, addr) - 1
+            if i < 0:
+                return None
+            m = self.by_base[self.bases[i]]  # live mappings never overlap
+        if addr + length > m.base + m.size or (allowed is not None and m.name not in allowed):
+            return None
+        for frame, (offset, flen) in enumerate(m.frames):
+            start = addr - (m.base + offset)
+            if 0 <= start and start + length <= flen:
+                try:
+                    if not pages_unmodified(addr, length):
+                        return None  # written to since it was mapped
+                except OSError:
+                    return None
+                return (m.name, frame, start, start + length)
         return None
 
     def close(self) -> None:
         with self.lock:
             self.closed = True
             self.mappings.clear()
+            self.bases.clear()
+            self.by_base.clear()
             self.refcounts.clear()
             self.inflight.clear()
 
