@@ -207,7 +207,8 @@ def test_plain_graph_matches_sync(pool: ProcessPoolExecutor, shm_base: Path) -> 
 
 def test_results_are_ordinary_writable_objects(pool: ProcessPoolExecutor, shm_base: Path) -> None:
     x = da.ones((400, 400), chunks=(200, 400)) * 2
-    (result,) = dask.compute(x, scheduler=get, pool=pool)
+    with dask.config.set(scheduler=get, pool=pool):  # the config route, pool included
+        (result,) = dask.compute(x)
     assert type(result) is np.ndarray and result.flags.writeable
     result[0, 0] = 5  # private mapping: the write stays here
     assert result.sum() == 2 * 400 * 400 + 3
