@@ -9,6 +9,7 @@ failures and interruptions let ``get`` create and tear down its own pool.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import numpy as np
 import pandas as pd
 import psutil
 import pytest
+from dask.callbacks import Callback
 from dask.multiprocessing import get_context
 
 from dask_shm._core import MappedRange
@@ -263,6 +265,53 @@ def test_in_place_writes_by_a_task_stay_in_its_process(
     # again: they come back as references to the file "x" was written to.
     assert mapped_path(same) == mapped_path(half) == mapped_path(x) is not None
     assert mapped_path(bumped) not in (None, mapped_path(x))
+
+
+def test_threshold_decides_what_goes_through_files(
+    pool: ProcessPoolExecutor, shm_base: Path
+) -> None:
+    dsk = {"x": (big_array, 11), "r": (describe, "x")}
+    path, _, _ = get(dsk, "r", pool=pool, optimize_graph=False, shm_threshold="4 MiB")
+    assert path is None  # 1.6 MB is below 4 MiB: pickled through the pipe
+    with dask.config.set({"dask-shm.local.shm-threshold": 1_000_000}):
+        path, _, _ = get(dsk, "r", pool=pool, optimize_graph=False)
+    assert path is not None
+
+
+def test_files_are_released_during_the_computation(
+    pool: ProcessPoolExecutor, shm_base: Path
+) -> None:
+    """A file lives as long as its data is needed, not until the end: along a
+    chain of 30 big intermediates, only a few files ever exist at once."""
+    dsk: dict[object, object] = {("c", 0): (big_array, 0)}
+    for i in range(1, 30):
+        dsk[("c", i)] = (increment_in_place, ("c", i - 1))
+    seen: list[int] = []
+
+    def count_files(key: object, result: object, dsk: object, state: object, wid: object) -> None:
+        seen.append(sum(1 for p in shm_base.rglob("*") if p.is_file()))
+
+    with Callback(posttask=count_files):
+        result = get(dsk, ("c", 29), pool=pool, optimize_graph=False)
+    expected = big_array(0)
+    for _ in range(29):
+        expected += 1
+    np.testing.assert_array_equal(result, expected)
+    assert len(seen) == 30 and max(seen) <= 3, seen
+
+
+def limit_file_size() -> None:
+    """Pool initializer: no file this process writes may exceed 64 KiB."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def test_results_fall_back_to_the_pipe_when_files_cannot_be_written(shm_base: Path) -> None:
+    dsk = {"x": (big_array, 12), "y": (first_half, "x"), "z": (total, "x", "y")}
+    x, z = get(dsk, ["x", "z"], num_workers=2, initializer=limit_file_size)
+    np.testing.assert_array_equal(x, big_array(12))
+    assert z == total(big_array(12), big_array(12)[: BIG // 2])
+    assert mapped_path(x) is None  # came through the pipe
 
 
 # --- errors ------------------------------------------------------------------
