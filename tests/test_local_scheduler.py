@@ -407,7 +407,10 @@ def test_files_removed_when_a_pool_process_is_killed(shm_base: Path) -> None:
         get(dsk, "z", num_workers=2)
 
 
-def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("whom", ["parent", "process group"])
+def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path, whom: str) -> None:
+    """SIGINT to the computing process only, or to its whole process group as
+    Ctrl-C in a terminal does (then the pool processes are interrupted too)."""
     marker = tmp_path / "running"
     script = textwrap.dedent(
         f"""
@@ -435,7 +438,11 @@ def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path) -> 
     path = tmp_path / "interrupt_me.py"
     path.write_text(script)
     proc = subprocess.Popen(
-        [sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -446,7 +453,10 @@ def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path) -> 
         # While the task runs, its inputs sit in shared-memory files.
         assert any(p.is_file() for p in shm_base.rglob("*"))
         workers = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGINT)
+        if whom == "parent":
+            proc.send_signal(signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
