@@ -283,7 +283,11 @@ class Transport:
         big: list[pickle.PickleBuffer] = []
 
         def keep_small_in_band(buf: pickle.PickleBuffer) -> bool:
-            with buf.raw() as raw:
+            try:
+                raw = buf.raw()
+            except BufferError:
+                return True  # non-contiguous: pickle handles (or rejects) it as usual
+            with raw:
                 if raw.nbytes < threshold:
                     return True
             big.append(buf)
