@@ -4,12 +4,38 @@
   where large buffers travel through shared-memory files instead of pipes.
 - :class:`SpillCache`: a spilling ``cache=`` for the local schedulers, so that
   computations with more live intermediates than RAM spill instead of dying.
+
+The names are imported on first use: pool processes only need
+:mod:`dask_shm.local.transport`, and should not pay for importing the rest.
 """
 
 from __future__ import annotations
 
-from dask_shm.local.cache import SpillCache
-from dask_shm.local.config import parse_memory_target
-from dask_shm.local.scheduler import get
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dask_shm.local.cache import SpillCache
+    from dask_shm.local.config import parse_memory_target
+    from dask_shm.local.scheduler import get
 
 __all__ = ["SpillCache", "get", "parse_memory_target"]
+
+_WHERE = {
+    "SpillCache": "dask_shm.local.cache",
+    "get": "dask_shm.local.scheduler",
+    "parse_memory_target": "dask_shm.local.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
