@@ -34,6 +34,7 @@ from dask.multiprocessing import get_context
 
 from dask_shm._core import MappedRange
 from dask_shm.local import get
+from dask_shm.local.directory import ShmDirectory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -467,3 +468,57 @@ def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path, who
     assert proc.returncode != 0
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert alive == []
+
+
+def test_directories_of_killed_computations_are_removed_by_the_next(
+    pool: ProcessPoolExecutor, shm_base: Path, tmp_path: Path
+) -> None:
+    """A computation killed with SIGKILL cannot clean up; the next computation
+    under the same parent directory removes what it left, and nothing else."""
+    marker = tmp_path / "running"
+    script = textwrap.dedent(
+        f"""
+        import pathlib, time
+        import dask, numpy as np
+        from dask_shm.local import get
+
+        def big(seed):
+            return np.random.default_rng(seed).random(500_000)
+
+        def wait_forever(a, marker):
+            pathlib.Path(marker).write_text("1")
+            time.sleep(600)
+
+        if __name__ == "__main__":
+            dsk = {{"a": (big, 1), "w": (wait_forever, "a", {str(marker)!r})}}
+            with dask.config.set({{"dask-shm.local.shm-directory": {str(shm_base)!r}}}):
+                get(dsk, "w", num_workers=1)
+        """
+    )
+    path = tmp_path / "kill_me.py"
+    path.write_text(script)
+    proc = subprocess.Popen([sys.executable, str(path)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None
+            assert time.monotonic() < deadline, "the task never started"
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        proc.wait()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the orphaned pool, too
+        except ProcessLookupError:
+            pass
+    psutil.wait_procs(workers, timeout=10)
+    (stale,) = shm_base.iterdir()
+    assert any(p.is_file() for p in stale.iterdir())
+
+    unlocked = shm_base / "dask-shm-local-not-a-computation"  # no lock file: left alone
+    unlocked.mkdir()
+    with ShmDirectory() as live:  # a computation still running
+        assert get({"x": (big_array, 1)}, "x", pool=pool).shape == (BIG,)
+        assert sorted(shm_base.iterdir()) == sorted([unlocked, Path(live.path)])
+    unlocked.rmdir()

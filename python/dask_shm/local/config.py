@@ -6,6 +6,8 @@ Keys (all under ``dask-shm.local``, settable with ``dask.config.set``):
     Directory under which each computation creates its own 0700 directory of
     shared-memory files. Default None: ``/dev/shm``, or the system temporary
     directory (with a warning) if ``/dev/shm`` is missing or not writable.
+    Directories left there by computations whose process was killed are
+    removed by the next computation (see :mod:`dask_shm.local.directory`).
 ``shm-threshold``
     Buffers of at least this many bytes travel through files; smaller ones go
     through the pipe inside the pickle. Default ``"64 KiB"``.
@@ -22,7 +24,6 @@ Keys (all under ``dask-shm.local``, settable with ``dask.config.set``):
 from __future__ import annotations
 
 import tempfile
-import warnings
 
 import dask.config
 import psutil
@@ -122,25 +123,6 @@ def spill_directory() -> str:
     return configured or dask.config.get("temporary-directory", None) or tempfile.gettempdir()
 
 
-def make_shm_directory() -> str:
-    """Create this computation's directory of shared-memory files (mode 0700).
-
-    Under ``dask-shm.local.shm-directory`` if set (OSError if that fails),
-    else under ``/dev/shm``, else, with a RuntimeWarning, under the system
-    temporary directory.
-    """
-    prefix = "dask-shm-local-"
-    base = _checked_directory(_get("shm-directory"), f"{PREFIX}.shm-directory")
-    if base is not None:
-        return tempfile.mkdtemp(prefix=prefix, dir=base)
-    try:
-        return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm")
-    except OSError as e:
-        fallback = tempfile.gettempdir()
-        warnings.warn(
-            f"/dev/shm is not usable ({e}); dask_shm.get puts its files in {fallback}, "
-            "which may be a disk: large transfers will be slower",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return tempfile.mkdtemp(prefix=prefix, dir=fallback)
+def shm_directory_base() -> str | None:
+    """``dask-shm.local.shm-directory``, validated; None if unset."""
+    return _checked_directory(_get("shm-directory"), f"{PREFIX}.shm-directory")

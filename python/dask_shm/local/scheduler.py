@@ -27,6 +27,7 @@ from dask.utils import ensure_dict
 
 from dask_shm.local import config
 from dask_shm.local.cache import SpillCache
+from dask_shm.local.directory import ShmDirectory
 from dask_shm.local.transport import Transport
 
 
@@ -180,7 +181,9 @@ def get(
     with ExitStack() as stack:
         if target is not None:
             cache = stack.enter_context(SpillCache(target))
-        transport = Transport(config.make_shm_directory(), threshold)
+        shm = ShmDirectory()
+        stack.callback(shm.close)
+        transport = Transport(shm.path, threshold)
         stack.callback(transport.close)
 
         own_pool = pool is None

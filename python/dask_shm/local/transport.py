@@ -103,6 +103,9 @@ class _Endpoint:
     def __init__(self, directory: str, owner_pid: int):
         self.directory = directory
         self.is_owner = os.getpid() == owner_pid
+        if not os.path.isdir(directory):
+            # Never re-create the directory of a computation that has ended.
+            raise FileNotFoundError(f"the computation's directory {directory} is gone")
         self.store = FileStore(directory)
         self.lock = threading.RLock()
         self.mappings: dict[int, _Mapping] = {}
