@@ -121,7 +121,10 @@ def get(
     - The directory and all its files are gone when ``get`` returns or raises:
       on success, on a task error, on KeyboardInterrupt and when a pool process
       dies (that raises ``BrokenProcessPool``, as with
-      ``scheduler="processes"``).
+      ``scheduler="processes"``). On any failure the pool ``get`` created is
+      terminated at once (stock waits for the tasks still running); a
+      directory left by a process killed outright (SIGKILL) is removed by the
+      next computation.
     - A task error is raised in the caller with the task's exception type,
       message and remote traceback, as with ``scheduler="processes"``;
       ``rerun_exceptions_locally=True`` re-runs the failing task in the
