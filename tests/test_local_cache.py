@@ -45,7 +45,7 @@ class MaxSpilled(Callback):
 
 @pytest.fixture
 def spill_base(tmp_path: Path) -> Iterator[Path]:
-    with dask.config.set({"dask-shm.local.spill-directory": str(tmp_path)}):
+    with dask.config.set({"shm.local.spill-directory": str(tmp_path)}):
         yield tmp_path
     assert list(tmp_path.iterdir()) == []
 
@@ -87,7 +87,7 @@ def test_shm_scheduler_with_explicit_cache(spill_base: Path, expected: float) ->
 
 def test_shm_scheduler_with_memory_target_from_config(spill_base: Path, expected: float) -> None:
     total, _ = workload()
-    with dask.config.set({"dask-shm.local.memory-target": "2 MiB"}), MaxSpilled() as cb:
+    with dask.config.set({"shm.local.memory-target": "2 MiB"}), MaxSpilled() as cb:
         result = total.compute(scheduler=get, num_workers=2)
     assert cb.max_spilled >= 8
     assert result == pytest.approx(expected, rel=1e-12)

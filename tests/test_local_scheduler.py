@@ -49,12 +49,12 @@ def pool() -> Iterator[ProcessPoolExecutor]:
 
 @pytest.fixture
 def shm_base() -> Iterator[Path]:
-    """A fresh directory on /dev/shm as ``dask-shm.local.shm-directory``; the
+    """A fresh directory on /dev/shm as ``shm.local.shm-directory``; the
     test fails if anything is left in it afterwards."""
     base = Path("/dev/shm") / f"dask-shm-test-{uuid.uuid4().hex[:12]}"
     base.mkdir(mode=0o700)
     try:
-        with dask.config.set({"dask-shm.local.shm-directory": str(base)}):
+        with dask.config.set({"shm.local.shm-directory": str(base)}):
             yield base
         leftovers = sorted(str(p.relative_to(base)) for p in base.rglob("*"))
         assert leftovers == [], f"files left behind: {leftovers}"
@@ -274,7 +274,7 @@ def test_threshold_decides_what_goes_through_files(
     dsk = {"x": (big_array, 11), "r": (describe, "x")}
     path, _, _ = get(dsk, "r", pool=pool, optimize_graph=False, shm_threshold="4 MiB")
     assert path is None  # 1.6 MB is below 4 MiB: pickled through the pipe
-    with dask.config.set({"dask-shm.local.shm-threshold": 1_000_000}):
+    with dask.config.set({"shm.local.shm-threshold": 1_000_000}):
         path, _, _ = get(dsk, "r", pool=pool, optimize_graph=False)
     assert path is not None
 
@@ -352,11 +352,11 @@ def test_bad_arguments_and_config_are_named(shm_base: Path) -> None:
         get(dsk, "x", func_dumps=repr)
     with pytest.raises(ValueError, match=r"shm_threshold must be a positive number of bytes"):
         get(dsk, "x", shm_threshold=-1)
-    with dask.config.set({"dask-shm.local.shm-threshold": "lots"}):
-        with pytest.raises(ValueError, match=r"dask-shm\.local\.shm-threshold .*'lots'"):
+    with dask.config.set({"shm.local.shm-threshold": "lots"}):
+        with pytest.raises(ValueError, match=r"shm\.local\.shm-threshold .*'lots'"):
             get(dsk, "x")
-    with dask.config.set({"dask-shm.local.memory-target": 1.5}):
-        with pytest.raises(ValueError, match=r"dask-shm\.local\.memory-target .*fraction"):
+    with dask.config.set({"shm.local.memory-target": 1.5}):
+        with pytest.raises(ValueError, match=r"shm\.local\.memory-target .*fraction"):
             get(dsk, "x")
 
 
@@ -428,7 +428,7 @@ def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path, who
 
         if __name__ == "__main__":
             dsk = {{"a": (big, 1), "b": (big, 2), "w": (wait_forever, "a", "b", {str(marker)!r})}}
-            with dask.config.set({{"dask-shm.local.shm-directory": {str(shm_base)!r}}}):
+            with dask.config.set({{"shm.local.shm-directory": {str(shm_base)!r}}}):
                 try:
                     get(dsk, "w", num_workers=2)
                 except KeyboardInterrupt:
@@ -491,7 +491,7 @@ def test_directories_of_killed_computations_are_removed_by_the_next(
 
         if __name__ == "__main__":
             dsk = {{"a": (big, 1), "w": (wait_forever, "a", {str(marker)!r})}}
-            with dask.config.set({{"dask-shm.local.shm-directory": {str(shm_base)!r}}}):
+            with dask.config.set({{"shm.local.shm-directory": {str(shm_base)!r}}}):
                 get(dsk, "w", num_workers=1)
         """
     )

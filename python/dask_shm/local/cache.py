@@ -28,7 +28,7 @@ class SpillCache(SpillBuffer):
         Bytes (``int`` or ``"4 GiB"``), a fraction of RAM in ``(0, 1]`` such as
         ``0.5``, or a percentage such as ``"50%"``.
     directory:
-        Parent of the spill directory. Default: ``dask-shm.local.spill-directory``,
+        Parent of the spill directory. Default: ``shm.local.spill-directory``,
         else dask's ``temporary-directory``, else the system temporary
         directory. Put it on a disk, not on a tmpfs such as ``/dev/shm``
         (which is RAM).

@@ -1,6 +1,6 @@
 """Configuration of the local scheduler: keys, defaults and validation.
 
-Keys (all under ``dask-shm.local``, settable with ``dask.config.set``):
+Keys (all under ``shm.local``, settable with ``dask.config.set``):
 
 ``shm-directory``
     Directory under which each computation creates its own 0700 directory of
@@ -29,7 +29,7 @@ import dask.config
 import psutil
 from dask.utils import parse_bytes
 
-PREFIX = "dask-shm.local"
+PREFIX = "shm.local"
 _DEFAULT_THRESHOLD = 64 * 1024
 
 
@@ -124,5 +124,5 @@ def spill_directory() -> str:
 
 
 def shm_directory_base() -> str | None:
-    """``dask-shm.local.shm-directory``, validated; None if unset."""
+    """``shm.local.shm-directory``, validated; None if unset."""
     return _checked_directory(_get("shm-directory"), f"{PREFIX}.shm-directory")

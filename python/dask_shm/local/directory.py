@@ -70,7 +70,7 @@ def remove_stale(base: str) -> list[str]:
 class ShmDirectory:
     """This computation's directory; :meth:`close` removes it with everything in it.
 
-    Created under ``dask-shm.local.shm-directory`` if set (OSError if that
+    Created under ``shm.local.shm-directory`` if set (OSError if that
     fails), else under ``/dev/shm``, else, with a RuntimeWarning, under the
     system temporary directory. Stale directories of dead computations in the
     same parent are removed first.

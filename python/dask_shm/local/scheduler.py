@@ -143,12 +143,12 @@ def get(
     cache:
         Mapping for intermediate results, e.g. a :class:`SpillCache`.
     memory_target:
-        If given (or ``dask-shm.local.memory-target`` is set) and ``cache`` is
+        If given (or ``shm.local.memory-target`` is set) and ``cache`` is
         not, intermediates go to a :class:`SpillCache` with this target,
         created for this computation and deleted at its end.
     shm_threshold:
         Smallest buffer, in bytes, that travels through a file (default
-        ``dask-shm.local.shm-threshold``, 64 KiB).
+        ``shm.local.shm-threshold``, 64 KiB).
     **kwargs:
         Passed to ``dask.local.get_async`` (``callbacks``,
         ``rerun_exceptions_locally``, ...).
@@ -159,7 +159,7 @@ def get(
         ``func_dumps``/``func_loads`` were given: this scheduler serializes
         with its own transport.
     ValueError
-        A bad ``memory_target``, ``shm_threshold`` or ``dask-shm.local.*``
+        A bad ``memory_target``, ``shm_threshold`` or ``shm.local.*``
         config value (the message names it and the accepted values).
     """
     for name in ("func_dumps", "func_loads"):
