@@ -139,6 +139,10 @@ class SpillBuffer(zict.Buffer[Key, object]):
         try:
             _, _, weight = self.fast.evict()
             return cast(int, weight)
+        except KeyError:
+            # Another thread deleted or overwrote the oldest key mid-eviction
+            # (or fast became empty): nothing was evicted, nothing was lost.
+            return -1
         except (MaxSpillExceeded, PickleError, OSError) as e:
             try:
                 self._handle(e, None)

@@ -10,6 +10,7 @@ turns into its public error contract.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import defaultdict
 from collections.abc import Hashable, Iterator, Mapping, MutableMapping
 from typing import Literal
@@ -104,6 +105,7 @@ class SpillStore(MutableMapping[Key, object]):
         self.max_weight = max_weight
         self.mapped = mapped
         self.filenames = {}
+        self._register_lock = threading.Lock()
         self.weight_by_key = _WeightByKey(self)
         self.cumulative_metrics = metrics if metrics is not None else defaultdict(float)
         self._compression = get_compression_settings("distributed.worker.memory.spill-compression")
@@ -134,9 +136,14 @@ class SpillStore(MutableMapping[Key, object]):
             name, disk = stored
             context_meter.digest_metric("disk-write", 1, "count")
             context_meter.digest_metric("disk-write", disk, "bytes")
-        if self.filenames.setdefault(key, name) != name:
-            # Another thread stored the same key meanwhile; keep theirs.
-            self.files.delete(name)
+        # Last write wins. zict.File keeps the *first* file when two writes of
+        # a key race, which lets a stale value that a racing eviction left
+        # registered shadow a newer one; a mapping must return what was set last.
+        with self._register_lock:
+            replaced = self.filenames.get(key)
+            self.filenames[key] = name
+        if replaced is not None:
+            self.files.delete(replaced)
 
     def __getitem__(self, key: Key) -> object:
         name = self.filenames[key]
