@@ -11,7 +11,6 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::ptr;
 
 use memmap2::{MmapMut, MmapOptions};
 use pyo3::exceptions::PyBufferError;
@@ -19,7 +18,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::format::{self, FormatError, Layout};
-use crate::py_buffers::MappedFile;
+use crate::py_buffers::{export_bytes, MappedFile};
 use crate::py_store::SpillFileError;
 
 enum MapError {
@@ -148,29 +147,8 @@ impl MappedRange {
         // The range lies in a private mapping kept alive by `mapping`, which
         // this frozen object holds for as long as any view (holding a
         // reference to it) exists.
-        (*view).obj = slf.clone().into_any().into_ptr();
-        (*view).buf = this.addr as *mut std::ffi::c_void;
-        (*view).len = this.len as ffi::Py_ssize_t;
-        (*view).readonly = 0;
-        (*view).itemsize = 1;
-        (*view).format = if (flags & ffi::PyBUF_FORMAT) == ffi::PyBUF_FORMAT {
-            c"B".as_ptr() as *mut _
-        } else {
-            ptr::null_mut()
-        };
-        (*view).ndim = 1;
-        (*view).shape = if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND {
-            &mut (*view).len
-        } else {
-            ptr::null_mut()
-        };
-        (*view).strides = if (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
-            &mut (*view).itemsize
-        } else {
-            ptr::null_mut()
-        };
-        (*view).suboffsets = ptr::null_mut();
-        (*view).internal = ptr::null_mut();
+        let ptr = this.addr as *mut std::ffi::c_void;
+        export_bytes(view, slf.clone().into_any(), ptr, this.len, flags);
         Ok(())
     }
 

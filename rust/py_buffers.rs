@@ -82,6 +82,44 @@ pub unsafe fn slices_from_raw<'a>(raw: &[(usize, usize)]) -> Vec<&'a [u8]> {
         .collect()
 }
 
+/// Fill `view` as a writable, 1-dimensional, contiguous byte buffer of `len`
+/// bytes at `buf`, owned by `owner` (which the view keeps alive).
+///
+/// # Safety
+/// `view` must be a valid, non-null `Py_buffer` to fill, and `buf..buf+len`
+/// must stay valid and writable for as long as `owner` is alive.
+pub unsafe fn export_bytes(
+    view: *mut ffi::Py_buffer,
+    owner: Bound<'_, PyAny>,
+    buf: *mut std::ffi::c_void,
+    len: usize,
+    flags: c_int,
+) {
+    (*view).obj = owner.into_ptr();
+    (*view).buf = buf;
+    (*view).len = len as ffi::Py_ssize_t;
+    (*view).readonly = 0;
+    (*view).itemsize = 1;
+    (*view).format = if (flags & ffi::PyBUF_FORMAT) == ffi::PyBUF_FORMAT {
+        c"B".as_ptr() as *mut _
+    } else {
+        ptr::null_mut()
+    };
+    (*view).ndim = 1;
+    (*view).shape = if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND {
+        &mut (*view).len
+    } else {
+        ptr::null_mut()
+    };
+    (*view).strides = if (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
+        &mut (*view).itemsize
+    } else {
+        ptr::null_mut()
+    };
+    (*view).suboffsets = ptr::null_mut();
+    (*view).internal = ptr::null_mut();
+}
+
 /// A private, writable memory mapping of a spill file, exported through the
 /// buffer protocol. Writes go to private copy-on-write pages and never reach
 /// the file, so a task that modifies an array deserialized from it cannot
@@ -127,29 +165,7 @@ impl MappedFile {
         // numpy deserialize without a defensive copy. The frozen pyclass never
         // moves or drops `map` while a view (which holds a reference) exists.
         let ptr = this.map.as_ptr() as *mut std::ffi::c_void;
-        (*view).obj = slf.clone().into_any().into_ptr();
-        (*view).buf = ptr;
-        (*view).len = this.map.len() as ffi::Py_ssize_t;
-        (*view).readonly = 0;
-        (*view).itemsize = 1;
-        (*view).format = if (flags & ffi::PyBUF_FORMAT) == ffi::PyBUF_FORMAT {
-            c"B".as_ptr() as *mut _
-        } else {
-            ptr::null_mut()
-        };
-        (*view).ndim = 1;
-        (*view).shape = if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND {
-            &mut (*view).len
-        } else {
-            ptr::null_mut()
-        };
-        (*view).strides = if (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
-            &mut (*view).itemsize
-        } else {
-            ptr::null_mut()
-        };
-        (*view).suboffsets = ptr::null_mut();
-        (*view).internal = ptr::null_mut();
+        export_bytes(view, slf.clone().into_any(), ptr, this.map.len(), flags);
         Ok(())
     }
 
