@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import dask.config
 import yaml
+from dask.utils import parse_bytes
 
 _DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "dask-shm.yaml")
 SWITCHES = ("spill-buffer", "amm", "spans")
@@ -40,3 +42,63 @@ def enabled(switch: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"config shm.{switch} must be true or false; got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class SharedMemorySettings:
+    """Validated ``shm.shared-memory.*`` config."""
+
+    enabled: bool
+    #: Directory on a tmpfs under which each user gets ``dask-shm-<uid>/``.
+    root: str
+    #: Values whose spill file is smaller than this stay private.
+    min_size: int
+    #: Values whose payload is less than this fraction of out-of-band buffers
+    #: (i.e. mostly pickled Python objects) stay private.
+    min_shared_fraction: float
+
+    @classmethod
+    def from_config(cls) -> SharedMemorySettings:
+        """Read and validate the current config.
+
+        Raises ValueError naming the key and the accepted values.
+        """
+        defaults = DEFAULTS["shm"]["shared-memory"]
+
+        def get(name: str) -> object:
+            return dask.config.get(f"shm.shared-memory.{name}", default=defaults[name])
+
+        enabled = get("enabled")
+        if not isinstance(enabled, bool):
+            raise ValueError(
+                f"config shm.shared-memory.enabled must be true or false; got {enabled!r}"
+            )
+        root = get("root")
+        if not isinstance(root, str) or not os.path.isabs(root):
+            raise ValueError(
+                "config shm.shared-memory.root must be an absolute path to a directory "
+                f"on a tmpfs such as /dev/shm; got {root!r}"
+            )
+        raw_min_size = get("min-size")
+        try:
+            if isinstance(raw_min_size, bool):
+                raise TypeError
+            min_size = parse_bytes(raw_min_size)  # type: ignore[arg-type]
+            if min_size < 0:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ValueError(
+                "config shm.shared-memory.min-size must be a byte size such as '64 KiB' "
+                f"or a number of bytes >= 0; got {raw_min_size!r}"
+            ) from None
+        fraction = get("min-shared-fraction")
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0 <= fraction <= 1
+        ):
+            raise ValueError(
+                "config shm.shared-memory.min-shared-fraction must be a number between "
+                f"0 and 1; got {fraction!r}"
+            )
+        return cls(enabled, root, int(min_size), float(fraction))
