@@ -7,7 +7,7 @@
 //! either committed (the file exists) or released (the write failed), so two
 //! concurrent writers can never both pass the check and overshoot the limit.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// Sizes accounted for one spilled entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -23,6 +23,9 @@ pub struct Ledger {
     entries: HashMap<String, Sizes>,
     total: Sizes,
     reserved_disk: u64,
+    /// Entries whose file may have other hard links (handed to or received
+    /// from a peer); their disk size is shared among the links.
+    shared: HashSet<String>,
 }
 
 impl Ledger {
@@ -53,6 +56,7 @@ impl Ledger {
     pub fn commit(&mut self, name: &str, sizes: Sizes) {
         self.reserved_disk -= sizes.disk;
         if let Some(old) = self.entries.insert(name.to_owned(), sizes) {
+            self.shared.remove(name);
             self.subtract(old);
         }
         self.total.memory += sizes.memory;
@@ -61,6 +65,7 @@ impl Ledger {
 
     pub fn remove(&mut self, name: &str) -> Option<Sizes> {
         let sizes = self.entries.remove(name)?;
+        self.shared.remove(name);
         self.subtract(sizes);
         Some(sizes)
     }
@@ -68,6 +73,39 @@ impl Ledger {
     fn subtract(&mut self, sizes: Sizes) {
         self.total.memory -= sizes.memory;
         self.total.disk -= sizes.disk;
+    }
+
+    /// Record that the entry's file may have other hard links. Returns false
+    /// for an unknown name.
+    pub fn mark_shared(&mut self, name: &str) -> bool {
+        if !self.entries.contains_key(name) {
+            return false;
+        }
+        self.shared.insert(name.to_owned());
+        true
+    }
+
+    pub fn is_shared(&self, name: &str) -> bool {
+        self.shared.contains(name)
+    }
+
+    /// The shared entries with their sizes.
+    pub fn shared_entries(&self) -> Vec<(String, Sizes)> {
+        self.shared
+            .iter()
+            .map(|n| (n.clone(), self.entries[n]))
+            .collect()
+    }
+
+    /// Change the memory size accounted for an entry. Returns false for an
+    /// unknown name.
+    pub fn set_memory(&mut self, name: &str, memory: u64) -> bool {
+        let Some(sizes) = self.entries.get_mut(name) else {
+            return false;
+        };
+        self.total.memory = self.total.memory - sizes.memory + memory;
+        sizes.memory = memory;
+        true
     }
 
     pub fn get(&self, name: &str) -> Option<Sizes> {

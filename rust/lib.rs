@@ -5,6 +5,7 @@ mod amm;
 pub mod format;
 pub mod ledger;
 mod local_transport;
+pub mod peer;
 mod py_amm;
 mod py_buffers;
 mod py_store;
@@ -23,6 +24,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(local_transport::map_frames, m)?)?;
     m.add_function(wrap_pyfunction!(local_transport::buffer_address, m)?)?;
     m.add_function(wrap_pyfunction!(local_transport::py_pages_unmodified, m)?)?;
+    m.add_function(wrap_pyfunction!(py_store::read_peer_file, m)?)?;
+    m.add_function(wrap_pyfunction!(py_buffers::live_mappings, m)?)?;
+    m.add(
+        "ForgedHandleError",
+        m.py().get_type::<py_store::ForgedHandleError>(),
+    )?;
     m.add(
         "SpillFileError",
         m.py().get_type::<py_store::SpillFileError>(),

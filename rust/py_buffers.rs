@@ -3,6 +3,7 @@
 
 use std::ffi::c_int;
 use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memmap2::MmapMut;
 use pyo3::exceptions::PyBufferError;
@@ -130,10 +131,27 @@ pub struct MappedFile {
     path: String,
 }
 
+/// Number of `MappedFile`s alive in this process (each is one kernel mapping,
+/// counted against vm.max_map_count).
+static LIVE_MAPPINGS: AtomicUsize = AtomicUsize::new(0);
+
 impl MappedFile {
     pub fn new(map: MmapMut, path: String) -> MappedFile {
+        LIVE_MAPPINGS.fetch_add(1, Ordering::Relaxed);
         MappedFile { map, path }
     }
+}
+
+impl Drop for MappedFile {
+    fn drop(&mut self) {
+        LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Number of spill-file mappings alive in this process.
+#[pyfunction]
+pub fn live_mappings() -> usize {
+    LIVE_MAPPINGS.load(Ordering::Relaxed)
 }
 
 #[pymethods]

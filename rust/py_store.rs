@@ -4,10 +4,11 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyKeyError, PyOSError};
+use pyo3::exceptions::{PyKeyError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyList, PyMemoryView};
 
+use crate::peer::{open_peer_file, PeerError, PeerFile};
 use crate::py_buffers::{slices_from_raw, HeldBuffer, MappedFile};
 use crate::store::{FileStore as Store, PutOutcome, StoreError};
 
@@ -17,6 +18,50 @@ pyo3::create_exception!(
     PyOSError,
     "A spill file exists but cannot be read back: truncated, corrupted or not ours."
 );
+
+pyo3::create_exception!(
+    _core,
+    ForgedHandleError,
+    PyValueError,
+    "A shared-memory handle from a peer names a file we must not accept."
+);
+
+fn peer_err(e: PeerError) -> PyErr {
+    match e {
+        PeerError::Forged(_) => ForgedHandleError::new_err(e.to_string()),
+        PeerError::Io(io) => io.into(),
+    }
+}
+
+fn open_peer(
+    py: Python<'_>,
+    root: &std::path::Path,
+    path: &std::path::Path,
+    size: u64,
+) -> PyResult<PeerFile> {
+    py.detach(|| open_peer_file(root, path, size))
+        .map_err(peer_err)
+}
+
+/// Validate a peer's spill file (see `FileStore.adopt`) and copy it into a
+/// private bytearray; returns one memoryview per frame. For when linking is
+/// impossible (link limit, permissions): the bytes still never cross a socket.
+#[pyfunction]
+pub fn read_peer_file<'py>(
+    py: Python<'py>,
+    root: std::path::PathBuf,
+    path: std::path::PathBuf,
+    size: u64,
+) -> PyResult<Bound<'py, PyList>> {
+    let peer = open_peer(py, &root, &path, size)?;
+    let mut result = Ok(());
+    let buf = PyByteArray::new_with(py, size as usize, |bytes| {
+        result = py.detach(|| peer.read_all_into(bytes));
+        Ok(())
+    })?;
+    result?;
+    frame_views(py, buf.as_any(), &peer.layout.frames)
+}
 
 fn to_pyerr(e: StoreError) -> PyErr {
     match e {
@@ -118,6 +163,55 @@ impl FileStore {
         let path = self.inner.path_of(name).to_string_lossy().into_owned();
         let mapped = Bound::new(py, MappedFile::new(map, path))?;
         frame_views(py, mapped.as_any(), &layout.frames)
+    }
+
+    /// Validate a spill file handed over by a peer and hard-link it into this
+    /// store as `{stem}#{n}`, accounted as shared (its disk size is split
+    /// among its links). Returns `(name, disk_bytes)`.
+    ///
+    /// Raises ForgedHandleError (a ValueError) if `path` is not inside
+    /// `root` once resolved, is a symlink, is not a regular file owned by this
+    /// user, is not `size` bytes or is not a valid spill file; OSError if the
+    /// link itself fails (EXDEV, EMLINK, EPERM, ...).
+    fn adopt(
+        &self,
+        py: Python<'_>,
+        root: std::path::PathBuf,
+        path: std::path::PathBuf,
+        size: u64,
+        stem: &str,
+        memory: u64,
+    ) -> PyResult<(String, u64)> {
+        let peer = open_peer(py, &root, &path, size)?;
+        let store = Arc::clone(&self.inner);
+        Ok(py.detach(|| store.adopt(&peer, stem, memory))?)
+    }
+
+    /// Hard-link an entry's file into `directory` under a fresh name and
+    /// return that path; the entry is then accounted as shared.
+    fn link_out(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        directory: std::path::PathBuf,
+    ) -> PyResult<std::path::PathBuf> {
+        let store = Arc::clone(&self.inner);
+        py.detach(|| store.link_out(name, &directory))
+            .map_err(to_pyerr)
+    }
+
+    /// Change the memory size accounted for an entry. KeyError if unknown.
+    fn set_memory(&self, name: &str, memory: u64) -> PyResult<()> {
+        if self.inner.set_memory(name, memory) {
+            Ok(())
+        } else {
+            Err(PyKeyError::new_err(name.to_owned()))
+        }
+    }
+
+    /// Number of hard links of an entry's file.
+    fn link_count(&self, name: &str) -> PyResult<u64> {
+        self.inner.link_count(name).map_err(to_pyerr)
     }
 
     /// Forget an entry and delete its file (a file already gone is fine).

@@ -24,6 +24,7 @@ use memmap2::{MmapMut, MmapOptions};
 
 use crate::format::{self, FormatError, Layout};
 use crate::ledger::{Ledger, Sizes};
+use crate::peer::PeerFile;
 
 /// Linux refuses `writev` with more than this many buffers.
 const IOV_MAX: usize = 1024;
@@ -231,11 +232,22 @@ impl FileStore {
     /// replacing an existing file (a stale file left by someone else makes us
     /// pick the next suffix).
     fn publish(&self, tmp: &Path, stem: &str, first: u64) -> io::Result<String> {
+        self.link_new_name(stem, first, |dest| fs::hard_link(tmp, dest))
+    }
+
+    /// Call `link(path)` with `{stem}#{n}` for increasing n until it does not
+    /// report that the name exists; returns the name it succeeded with.
+    fn link_new_name(
+        &self,
+        stem: &str,
+        first: u64,
+        link: impl Fn(&Path) -> io::Result<()>,
+    ) -> io::Result<String> {
         let mut n = first;
         for _ in 0..64 {
             let name = format!("{stem}#{n}");
             check_name(&name)?;
-            match fs::hard_link(tmp, self.dir.join(&name)) {
+            match link(&self.dir.join(&name)) {
                 Ok(()) => return Ok(name),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
                     n = self.counter.fetch_add(1, Ordering::Relaxed);
@@ -247,6 +259,56 @@ impl FileStore {
             io::ErrorKind::AlreadyExists,
             format!("could not find a free file name for {stem:?}"),
         ))
+    }
+
+    /// Take a validated peer file into the store under `{stem}#{n}` by hard
+    /// link (no bytes are copied) and account it as shared. Capacity
+    /// (`max_disk`) is not checked: the bytes already exist on the host.
+    pub fn adopt(&self, peer: &PeerFile, stem: &str, memory: u64) -> io::Result<(String, u64)> {
+        check_name(stem)?;
+        let disk = peer.layout.file_size;
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let name = self.link_new_name(stem, n, |dest| peer.link_to(dest))?;
+        let mut ledger = self.ledger();
+        ledger.try_reserve(disk, None);
+        ledger.commit(&name, Sizes { memory, disk });
+        ledger.mark_shared(&name);
+        Ok((name, disk))
+    }
+
+    /// Create one more hard link to a known entry, in `dir` (which must be on
+    /// the same file system), so that the file outlives its removal from this
+    /// store until the link is deleted. Marks the entry as shared.
+    pub fn link_out(&self, name: &str, dir: &Path) -> Result<PathBuf, StoreError> {
+        self.check_known(name)?;
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let dest = dir.join(format!("{}-{n}", std::process::id()));
+        fs::hard_link(self.path_of(name), &dest)?;
+        self.ledger().mark_shared(name);
+        Ok(dest)
+    }
+
+    /// Change the memory size accounted for an entry; false if unknown.
+    pub fn set_memory(&self, name: &str, memory: u64) -> bool {
+        self.ledger().set_memory(name, memory)
+    }
+
+    /// Number of hard links of an entry's file (1 unless shared).
+    pub fn link_count(&self, name: &str) -> Result<u64, StoreError> {
+        self.check_known(name)?;
+        Ok(fs::symlink_metadata(self.path_of(name))?.nlink())
+    }
+
+    /// Disk size split among the hard links of a shared file: each of k
+    /// holders accounts 1/k, so totals over the host add up to the bytes used.
+    fn split(&self, name: &str, sizes: Sizes) -> Sizes {
+        let links = fs::symlink_metadata(self.path_of(name))
+            .map(|m| m.nlink().max(1))
+            .unwrap_or(1);
+        Sizes {
+            memory: sizes.memory,
+            disk: sizes.disk / links,
+        }
     }
 
     fn check_known(&self, name: &str) -> Result<(), StoreError> {
@@ -332,12 +394,29 @@ impl FileStore {
         Ok(sizes)
     }
 
+    /// Accounted sizes of one entry (disk split among hard links if shared).
     pub fn sizes(&self, name: &str) -> Option<Sizes> {
-        self.ledger().get(name)
+        let (sizes, shared) = {
+            let ledger = self.ledger();
+            (ledger.get(name)?, ledger.is_shared(name))
+        };
+        Some(if shared {
+            self.split(name, sizes)
+        } else {
+            sizes
+        })
     }
 
+    /// Sizes summed over all entries (disk of shared files split among links).
     pub fn total(&self) -> Sizes {
-        self.ledger().total()
+        let (mut total, shared) = {
+            let ledger = self.ledger();
+            (ledger.total(), ledger.shared_entries())
+        };
+        for (name, sizes) in shared {
+            total.disk -= sizes.disk - self.split(&name, sizes).disk;
+        }
+        total
     }
 
     pub fn len(&self) -> usize {
@@ -528,5 +607,30 @@ mod tests {
             .sum();
         assert_eq!(store.total().disk, on_disk);
         assert!(on_disk <= 200_000);
+    }
+
+    #[test]
+    fn shared_files_split_their_disk_size_among_links() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = FileStore::open(tmp.path().join("a")).unwrap();
+        let b = FileStore::open(tmp.path().join("b")).unwrap();
+        let out = tmp.path().join("out");
+        prepare_directory(&out).unwrap();
+        let (name, disk) = stored(a.put("k", &[&[1u8; 1000]], 5000, None).unwrap());
+        assert_eq!(a.total(), Sizes { memory: 5000, disk });
+        let handle = a.link_out(&name, &out).unwrap();
+        let peer = crate::peer::open_peer_file(tmp.path(), &handle, disk).unwrap();
+        let (adopted, adopted_disk) = b.adopt(&peer, "k", 5000).unwrap();
+        assert_eq!(adopted_disk, disk);
+        fs::remove_file(&handle).unwrap();
+        // two holders: each accounts half, and the host total is the file once
+        assert_eq!(a.link_count(&name).unwrap(), 2);
+        assert_eq!(a.total().disk + b.total().disk, disk);
+        assert_eq!(b.sizes(&adopted).unwrap().disk, disk / 2);
+        assert!(b.set_memory(&adopted, 10));
+        assert_eq!(b.total().memory, 10);
+        a.remove(&name).unwrap();
+        assert_eq!(b.total().disk, disk);
+        assert_eq!(read_back(&b, &adopted), vec![vec![1u8; 1000]]);
     }
 }

@@ -10,6 +10,11 @@ __version__: str
 #: Every frame inside a spill file starts at a multiple of this many bytes.
 FRAME_ALIGNMENT: int
 
+class ForgedHandleError(ValueError):
+    """A shared-memory handle from a peer names a file we must not accept
+    (outside the root, a symlink, not a regular file, another owner, wrong size,
+    not a spill file). Nothing was linked or mapped."""
+
 class SpillFileError(OSError):
     """A spill file exists but cannot be read back: truncated, corrupted or not ours."""
 
@@ -63,6 +68,25 @@ class FileStore:
         """``(memory, disk)`` of one entry; KeyError if unknown."""
     def total(self) -> tuple[int, int]:
         """``(memory, disk)`` summed over all entries."""
+    def adopt(
+        self,
+        root: str | PathLike[str],
+        path: str | PathLike[str],
+        size: int,
+        stem: str,
+        memory: int,
+    ) -> tuple[str, int]:
+        """Validate a peer's spill file and hard-link it in as ``{stem}#{n}``,
+        accounted as shared. Returns ``(name, disk_bytes)``. Raises
+        ForgedHandleError for a handle that fails validation, OSError when
+        the link fails (EXDEV, EMLINK, EPERM, ...)."""
+    def link_out(self, name: str, directory: str | PathLike[str]) -> str:
+        """Hard-link an entry's file into ``directory`` under a fresh name and
+        return that path; the entry is accounted as shared from then on."""
+    def set_memory(self, name: str, memory: int) -> None:
+        """Change the memory size accounted for an entry; KeyError if unknown."""
+    def link_count(self, name: str) -> int:
+        """Number of hard links of an entry's file."""
     def path(self, name: str) -> str: ...
     def names(self) -> list[str]: ...
     def __len__(self) -> int: ...
@@ -166,3 +190,13 @@ class AmmRun:
     ) -> tuple[list[tuple[Any, list[Any]]], list[tuple[Any, list[Any]]]]:
         """Accepted (replications, drops) by worker; AssertionError on invalid ones
         when ``validate``."""
+
+def read_peer_file(
+    root: str | PathLike[str], path: str | PathLike[str], size: int
+) -> list[memoryview]:
+    """Validate a peer's spill file as ``FileStore.adopt`` does and copy it into
+    a private buffer; one memoryview per frame. Raises ForgedHandleError or
+    OSError."""
+
+def live_mappings() -> int:
+    """Number of spill-file mappings (``MappedFile``) alive in this process."""

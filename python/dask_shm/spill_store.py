@@ -20,7 +20,11 @@ import msgpack
 from dask.typing import Key
 from distributed.metrics import context_meter
 from distributed.protocol.compression import decompress, get_compression_settings
-from distributed.protocol.serialize import merge_and_deserialize, serialize_bytelist
+from distributed.protocol.serialize import (
+    merge_and_deserialize,
+    serialize,
+    serialize_bytelist,
+)
 from distributed.sizeof import safe_sizeof
 from distributed.spill import PickleError, SpilledSize
 
@@ -49,6 +53,17 @@ def file_stem(key: Key) -> str:
         digest = hashlib.sha1(stem.encode()).hexdigest()[:16]
         stem = f"{stem[: _MAX_STEM - 17]}~{digest}"
     return stem
+
+
+def serialize_unsplit(value: object) -> tuple[dict, list]:
+    """``serialize`` with every frame left whole and uncompressed: frames
+    that ``serialize_bytelist`` would shard at 64 MiB are kept in one piece so
+    that a deserializer reading from a mapping gets one contiguous buffer and
+    never has to copy to merge shards."""
+    header, frames = serialize(value, on_error="raise")
+    header["compression"] = (None,) * len(frames)
+    header["count"] = len(frames)
+    return header, frames
 
 
 def frames_to_object(frames: list[memoryview]) -> object:
@@ -121,21 +136,37 @@ class SpillStore(MutableMapping[Key, object]):
     def _record(self, label: Hashable, value: float, unit: str) -> None:
         self.cumulative_metrics[label, unit] += value  # type: ignore[index]
 
+    def _serialize(self, key: Key, value: object) -> list:
+        """``[msgpack header, *payload frames]`` for ``value``; raises PickleError."""
+        try:
+            if self.mapped:
+                header, frames = serialize_unsplit(value)
+                return [msgpack.dumps(header, use_bin_type=True), *frames]
+            # [1:] drops stock's length prelude; our file has its own frame table.
+            return serialize_bytelist(value, compression=self._compression, on_error="raise")[1:]
+        except Exception as e:
+            raise PickleError(key) from e
+
+    def _write(self, key: Key, frames: list, memory: int) -> str:
+        """Write ``frames`` to a new file for ``key``; returns its name.
+        Raises MaxSpillExceeded or OSError."""
+        max_disk = None if self.max_weight is False else self.max_weight
+        with context_meter.meter("disk-write", "seconds"):
+            stored = self.files.put(file_stem(key), frames, memory, max_disk)
+        if stored is None:
+            raise MaxSpillExceeded(key)
+        name, disk = stored
+        context_meter.digest_metric("disk-write", 1, "count")
+        context_meter.digest_metric("disk-write", disk, "bytes")
+        return name
+
     def __setitem__(self, key: Key, value: object) -> None:
         with context_meter.add_callback(self._record):
-            try:
-                frames = serialize_bytelist(value, compression=self._compression, on_error="raise")
-            except Exception as e:
-                raise PickleError(key) from e
-            max_disk = None if self.max_weight is False else self.max_weight
-            with context_meter.meter("disk-write", "seconds"):
-                # frames[0] is stock's length prelude; our file has its own frame table.
-                stored = self.files.put(file_stem(key), frames[1:], safe_sizeof(value), max_disk)
-            if stored is None:
-                raise MaxSpillExceeded(key)
-            name, disk = stored
-            context_meter.digest_metric("disk-write", 1, "count")
-            context_meter.digest_metric("disk-write", disk, "bytes")
+            frames = self._serialize(key, value)
+            name = self._write(key, frames, safe_sizeof(value))
+        self._register(key, name)
+
+    def _register(self, key: Key, name: str) -> None:
         # Last write wins. zict.File keeps the *first* file when two writes of
         # a key race, which lets a stale value that a racing eviction left
         # registered shadow a newer one; a mapping must return what was set last.
@@ -143,14 +174,18 @@ class SpillStore(MutableMapping[Key, object]):
             replaced = self.filenames.get(key)
             self.filenames[key] = name
         if replaced is not None:
-            self.files.delete(replaced)
+            self._forget_file(replaced)
 
-    def __getitem__(self, key: Key) -> object:
-        name = self.filenames[key]
+    def _forget_file(self, name: str) -> None:
+        self.files.delete(name)
+
+    def _read(self, key: Key, name: str, mapped: bool) -> object:
+        """Read and deserialize the file ``name`` of ``key``, through a mapping
+        or a copy. Raises KeyError or SpillFileError naming the key."""
         with context_meter.add_callback(self._record):
             try:
                 with context_meter.meter("disk-read", "seconds"):
-                    frames = self.files.read_mapped(name) if self.mapped else self.files.read(name)
+                    frames = self.files.read_mapped(name) if mapped else self.files.read(name)
             except KeyError:
                 raise KeyError(key) from None
             except OSError as e:
@@ -167,9 +202,12 @@ class SpillStore(MutableMapping[Key, object]):
                     f"{type(e).__name__}: {e}"
                 ) from e
 
+    def __getitem__(self, key: Key) -> object:
+        return self._read(key, self.filenames[key], self.mapped)
+
     def __delitem__(self, key: Key) -> None:
         name = self.filenames.pop(key)
-        self.files.delete(name)
+        self._forget_file(name)
 
     def __contains__(self, key: object) -> bool:
         return key in self.filenames
