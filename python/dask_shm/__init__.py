@@ -5,6 +5,8 @@ Public API:
 - :class:`SpillBuffer`: drop-in for ``distributed.spill.SpillBuffer``.
 - :func:`worker_data`, :func:`spill_buffer_for_worker`, :class:`SpillBufferPlugin`:
   ways to give workers a :class:`SpillBuffer`.
+- :class:`SharedMemoryPlugin`, :class:`SharedMemoryNannyPlugin`: shared-memory
+  mode (tmpfs spill files, zero-copy unspill, same-host hard-link transfers).
 - :class:`SpillFileError`: a spill file could not be read back.
 - :func:`get`: dask's local scheduler on a process pool passing large buffers
   through shared-memory files (``dask.compute(x, scheduler=dask_shm.get)``).
@@ -25,6 +27,7 @@ load_defaults()
 
 from dask_shm.local import get  # noqa: E402
 from dask_shm.preload import dask_setup  # noqa: E402
+from dask_shm.shared import SharedMemoryNannyPlugin, SharedMemoryPlugin  # noqa: E402
 from dask_shm.spill import SpillBuffer  # noqa: E402
 from dask_shm.worker import (  # noqa: E402
     SpillBufferPlugin,
@@ -34,6 +37,8 @@ from dask_shm.worker import (  # noqa: E402
 
 __all__ = [
     "FileStore",
+    "SharedMemoryNannyPlugin",
+    "SharedMemoryPlugin",
     "SpillBuffer",
     "SpillBufferPlugin",
     "SpillFileError",

@@ -1,0 +1,101 @@
+"""Shared-memory figures of a worker: ``shm_metrics``, the worker's
+``get_metrics()`` (key ``"shm"``, which reaches the scheduler in heartbeats)
+and Prometheus gauges ``dask_worker_shm_*``."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from dask_shm.shared import transfer
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+#: Counters a shared-mode SpillBuffer keeps (``shm_counters``).
+COUNTERS = (
+    "link_transfers",
+    "link_bytes",
+    "fallback_transfers",
+    "fallback_bytes",
+    "received_links",
+    "received_bytes",
+    "adopt_failures",
+)
+
+_DESCRIPTIONS = {
+    "shared_bytes": "Bytes of this worker's data in shared-memory files (1/k per holder)",
+    "retained_keys": "Keys in memory backed by a shared-memory file",
+    "link_transfers": "Keys sent to same-host peers as hard-link handles",
+    "link_bytes": "Bytes sent to same-host peers as hard-link handles",
+    "fallback_transfers": "Keys sent to same-host shared-memory peers as bytes",
+    "fallback_bytes": "Bytes sent to same-host shared-memory peers as bytes",
+    "received_links": "Keys received by hard link and kept shared",
+    "received_bytes": "Bytes received by hard link and kept shared",
+    "adopt_failures": "Received files that could not be linked into the spill directory",
+    "receive_fallback_transfers": "Handles received but read by copy (process-wide)",
+    "degraded_reads": "Unspills read by copy because of mapping limits",
+}
+
+
+def shm_metrics(worker: Worker) -> dict[str, float]:
+    """Shared-memory figures of ``worker``; all zeros when its data is not a
+    shared-mode :class:`~dask_shm.SpillBuffer`."""
+    from dask_shm.shared.store import SharedSpillStore
+    from dask_shm.spill import SpillBuffer
+
+    out: dict[str, float] = dict.fromkeys(_DESCRIPTIONS, 0.0)
+    data = worker.data
+    if not isinstance(data, SpillBuffer) or not data.shared:
+        return out
+    store = data._slow_uncached
+    assert isinstance(store, SharedSpillStore)
+    out["shared_bytes"] = float(store.total_weight.disk)
+    out["retained_keys"] = float(len(store.retained))
+    out["degraded_reads"] = float(store.degraded_reads)
+    for name in COUNTERS:
+        out[name] = float(data.shm_counters[name])
+    out["receive_fallback_transfers"] = float(transfer.receive_counters["fallback_transfers"])
+    return out
+
+
+_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+_registered = False
+_lock = threading.Lock()
+
+
+class _Collector:
+    """Prometheus collector over the shared-memory workers of this process."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        figures = {w.address: shm_metrics(w) for w in list(_workers)}
+        for name, doc in _DESCRIPTIONS.items():
+            family = GaugeMetricFamily(f"dask_worker_shm_{name}", doc, labels=["worker"])
+            for address, values in figures.items():
+                family.add_metric([address], values[name])
+            yield family
+
+
+def install(worker: Worker) -> None:
+    """Publish ``worker``'s figures in ``get_metrics()`` and Prometheus."""
+    global _registered
+    worker.metrics["shm"] = shm_metrics
+    _workers.add(worker)
+    with _lock:
+        if _registered:
+            return
+        try:
+            import prometheus_client
+        except ImportError:
+            return
+        prometheus_client.REGISTRY.register(_Collector())  # type: ignore[arg-type]
+        _registered = True
+
+
+def uninstall(worker: Worker) -> None:
+    worker.metrics.pop("shm", None)
+    _workers.discard(worker)

@@ -1,0 +1,57 @@
+"""How much of a serialized value can live in shared memory.
+
+``serialize_bytelist`` produces a header and frames. Some frames are raw
+buffers (numpy data, arrow buffers, pickle protocol 5 out-of-band buffers):
+deserializing from a memory mapping makes the value point into the mapping, so
+those bytes cost the worker nothing private. Other frames are pickle streams of
+Python objects: they are unpickled into fresh private objects whatever the
+source, so sharing them gains nothing and costs a deserialization on every
+unspill. :func:`shareable_bytes` counts the first kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _frame_len(frame: Any) -> int:
+    return memoryview(frame).nbytes
+
+
+def shareable_bytes(header: Mapping[str, Any], frames: Sequence[Any]) -> int:
+    """Bytes of ``frames`` that a deserializer maps without copying.
+
+    ``header``/``frames`` are one value as serialized by distributed (no
+    compression: compressed frames are always decompressed into private memory).
+    """
+    if header.get("compression") and any(c for c in header["compression"]):
+        return 0
+    if header.get("is-collection"):
+        total, start = 0, 0
+        for sub, count in zip(header["sub-headers"], header["frame-lengths"], strict=False):
+            total += shareable_bytes(sub, frames[start : start + count])
+            start += count
+        return total
+    serializer = header.get("serializer")
+    if serializer == "pickle":
+        # frames[0] is the in-band pickle stream; the rest are out-of-band buffers.
+        return sum(_frame_len(f) for f in frames[1:])
+    if serializer == "dask":
+        sub = header.get("sub-header")
+        if isinstance(sub, Mapping) and sub.get("pickle"):
+            return 0  # e.g. object-dtype numpy: a pickle stream
+        return sum(_frame_len(f) for f in frames)
+    return 0
+
+
+def worth_sharing(
+    header: Mapping[str, Any], frames: Sequence[Any], min_size: int, min_fraction: float
+) -> tuple[bool, int]:
+    """``(share?, shareable bytes)`` for a serialized value: shared when it has
+    at least ``min_size`` shareable bytes making up at least ``min_fraction``
+    of the payload."""
+    payload = sum(_frame_len(f) for f in frames)
+    shareable = shareable_bytes(header, frames)
+    share = shareable >= max(min_size, 1) and shareable >= min_fraction * payload
+    return share, shareable
