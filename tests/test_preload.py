@@ -11,6 +11,7 @@ import dask_shm
 from dask_shm import SpillBuffer
 from dask_shm.amm import ActiveMemoryManagerExtension
 from dask_shm.config import enabled
+from dask_shm.preload import InvalidConfig
 from dask_shm.spans import SpansSchedulerExtension, SpansWorkerExtension
 
 
@@ -66,14 +67,25 @@ def test_bad_switch_value_names_the_key(value):
         enabled("amm")
 
 
-def test_bad_switch_value_makes_the_preload_raise_naming_the_key():
-    # distributed logs a failing preload with this message and carries on.
+def test_bad_switch_value_makes_the_preload_refuse_to_start_naming_the_key():
+    # distributed only logs an Exception raised by a preload; InvalidConfig is a
+    # SystemExit so that the server does not start half-configured.
     with dask.config.set({"shm.spans": "maybe"}):
-        with pytest.raises(ValueError, match="shm.spans must be true or false"):
+        with pytest.raises(InvalidConfig, match="shm.spans must be true or false"):
             dask_shm.dask_setup(Scheduler.__new__(Scheduler))
 
 
+def test_bad_shared_memory_value_stops_worker_processes_from_starting():
+    config = {
+        "distributed.worker.preload": ["dask_shm"],
+        "shm.shared-memory.enabled": True,
+        "shm.shared-memory.min-size": "lots",
+    }
+    with dask.config.set(config), pytest.raises(RuntimeError, match="failed to start"):
+        LocalCluster(n_workers=1, processes=True, memory_limit="512MiB", dashboard_address=":0")
+
+
 def test_preload_refuses_other_servers():
-    with pytest.raises(TypeError, match="Scheduler or a Worker"):
+    with pytest.raises(TypeError, match="Scheduler, Worker or Nanny"):
         dask_shm.dask_setup(object())
     assert callable(Worker)

@@ -1,30 +1,58 @@
 """One preload for everything dask-shm installs.
 
-``dask scheduler --preload dask_shm`` / ``dask worker --preload dask_shm``, or
-config alone: ``distributed.scheduler.preload: [dask_shm]`` and
-``distributed.worker.preload: [dask_shm]``. What gets installed follows the
-``shm.*`` switches (see ``dask-shm.yaml``):
+``dask scheduler --preload dask_shm`` / ``dask worker --preload dask_shm``
+(and ``--preload-nanny dask_shm``), or config alone:
+``distributed.{scheduler,worker,nanny}.preload: [dask_shm]``. What gets
+installed follows the ``shm.*`` config (see ``dask-shm.yaml``):
 
 - scheduler: dask-shm's Active Memory Manager (``shm.amm``) and span extension
   (``shm.spans``);
-- worker: :class:`dask_shm.SpillBuffer` sized from the worker's own memory limit
-  (``shm.spill-buffer``) and the worker span extension (``shm.spans``).
+- worker: with ``shm.shared-memory.enabled``, shared-memory mode
+  (:class:`dask_shm.SharedMemoryPlugin`); otherwise :class:`dask_shm.SpillBuffer`
+  sized from the worker's own memory limit (``shm.spill-buffer``); and the worker
+  span extension (``shm.spans``);
+- nanny: with ``shm.shared-memory.enabled``, :class:`dask_shm.SharedMemoryNannyPlugin`.
+
+An invalid ``shm.*`` value stops the server from starting: distributed only
+logs exceptions raised by a preload, so :class:`InvalidConfig` (a SystemExit
+carrying the message that names the key and the accepted values) is raised.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from dask_shm.config import enabled
+from dask_shm.config import SharedMemorySettings, enabled
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidConfig(SystemExit):
+    """An ``shm.*`` config value is invalid; the server must not start."""
 
 
 def dask_setup(server: Any) -> None:
     """Preload entry point.
 
-    Raises ValueError for an invalid ``shm.*`` value and TypeError for a server
-    that is neither a Scheduler nor a Worker (preload the worker, not the nanny).
+    Raises InvalidConfig for an invalid ``shm.*`` value and TypeError for a
+    server that is not a Scheduler, Worker or Nanny.
     """
-    from distributed import Scheduler, Worker
+    from distributed import Nanny, Scheduler, Worker
+
+    if not isinstance(server, (Scheduler, Worker, Nanny)):
+        raise TypeError(
+            f"dask_shm preload runs on a Scheduler, Worker or Nanny, not {type(server).__name__}"
+        )
+    try:
+        _setup(server)
+    except ValueError as e:
+        logger.critical("dask-shm: invalid configuration: %s", e)
+        raise InvalidConfig(f"dask-shm: invalid configuration: {e}") from e
+
+
+def _setup(server: Any) -> None:
+    from distributed import Nanny, Scheduler
 
     if isinstance(server, Scheduler):
         switches = {name: enabled(name) for name in ("amm", "spans")}
@@ -36,18 +64,31 @@ def dask_setup(server: Any) -> None:
             from dask_shm.spans import install_scheduler_extension as install_spans
 
             install_spans(server)
-    elif isinstance(server, Worker):
-        switches = {name: enabled(name) for name in ("spill-buffer", "spans")}
-        if switches["spill-buffer"]:
-            from dask_shm.worker import SpillBufferPlugin
+        return
+    shared = SharedMemorySettings.from_config().enabled
+    if isinstance(server, Nanny):
+        if shared:
+            from dask_shm.shared import SharedMemoryNannyPlugin
 
-            SpillBufferPlugin().setup(server)
-        if switches["spans"]:
-            from dask_shm.spans import install_worker_extension
+            _add_plugin(server, SharedMemoryNannyPlugin())
+        return
+    switches = {name: enabled(name) for name in ("spill-buffer", "spans")}
+    if shared:
+        from dask_shm.shared import SharedMemoryPlugin
 
-            install_worker_extension(server)
-    else:
-        raise TypeError(
-            f"dask_shm preload runs on a Scheduler or a Worker, not {type(server).__name__}; "
-            "use --preload (not --preload-nanny)"
-        )
+        _add_plugin(server, SharedMemoryPlugin())
+    elif switches["spill-buffer"]:
+        from dask_shm.worker import SpillBufferPlugin
+
+        SpillBufferPlugin().setup(server)
+    if switches["spans"]:
+        from dask_shm.spans import install_worker_extension
+
+        install_worker_extension(server)
+
+
+def _add_plugin(server: Any, plugin: Any) -> None:
+    """Set ``plugin`` up on ``server`` and list it in ``server.plugins``, as
+    ``register_plugin`` would, so that it is visible and torn down on close."""
+    plugin.setup(server)
+    server.plugins[plugin.name] = plugin

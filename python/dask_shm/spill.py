@@ -218,6 +218,10 @@ class SpillBuffer(zict.Buffer[Key, object]):
             "It may cause data to be read back from disk! Please use `del` instead."
         )
 
+    def close(self) -> None:
+        if "fast" in self.__dict__:  # __init__ may have failed before zict's
+            super().close()
+
     @property
     def memory(self) -> Mapping[Key, object]:
         """Key/value pairs held in memory (alias of ``fast``). Read only."""

@@ -40,14 +40,15 @@ _DESCRIPTIONS = {
 }
 
 
-def shm_metrics(worker: Worker) -> dict[str, float]:
-    """Shared-memory figures of ``worker``; all zeros when its data is not a
-    shared-mode :class:`~dask_shm.SpillBuffer`."""
+def shm_metrics(dask_worker: Worker) -> dict[str, float]:
+    """Shared-memory figures of a worker; all zeros when its data is not a
+    shared-mode :class:`~dask_shm.SpillBuffer`. The argument's name lets
+    ``client.run(shm_metrics)`` pass the worker."""
     from dask_shm.shared.store import SharedSpillStore
     from dask_shm.spill import SpillBuffer
 
     out: dict[str, float] = dict.fromkeys(_DESCRIPTIONS, 0.0)
-    data = worker.data
+    data = dask_worker.data
     if not isinstance(data, SpillBuffer) or not data.shared:
         return out
     store = data._slow_uncached

@@ -203,6 +203,13 @@ class SharedSpillStore(SpillStore):
             name = self.retained[key].name
         return name
 
+    def path(self, key: Key) -> str:
+        """Path of the file holding ``key``, spilled or retained."""
+        name = self.file_of(key)
+        if name is None:
+            raise KeyError(key)
+        return str(self.files.path(name))
+
     # -- hand-over between stores ------------------------------------------------
 
     def export(self, key: Key) -> Handle | None:

@@ -104,7 +104,7 @@ class _Incoming:
 
     def enable(self, root: str) -> None:
         with self.lock:
-            if self.root is None:
+            if self.root != root:
                 self.store = FileStore(paths.subdir(root, "incoming"))
                 self.root = root
 

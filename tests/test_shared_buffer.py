@@ -1,0 +1,244 @@
+"""SpillBuffer(shared=True) in one process, on real files in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import dask
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from dask_shm import SpillBuffer
+from dask_shm._core import ForgedHandleError, MappedFile, read_peer_file
+from dask_shm.shared import paths, transfer
+from dask_shm.shared.store import Handle, SharedSpillStore
+
+MB = 2**20
+
+
+@pytest.fixture
+def root():
+    """A private shared-memory root on /dev/shm for one test."""
+    path = tempfile.mkdtemp(dir="/dev/shm", prefix="dask-shm-test-")
+    with dask.config.set({"shm.shared-memory.root": path}):
+        transfer.enable_receiving(path)
+        yield path
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def shared_buffer(target: int = 50 * MB) -> SpillBuffer:
+    buf = SpillBuffer(None, target=target, shared=True)
+    assert buf.shared
+    return buf
+
+
+def store_of(buf: SpillBuffer) -> SharedSpillStore:
+    store = buf._slow_uncached
+    assert isinstance(store, SharedSpillStore)
+    return store
+
+
+def backed_by_mapping(x: np.ndarray) -> bool:
+    base = x
+    while getattr(base, "base", None) is not None:
+        base = base.base
+        if isinstance(base, memoryview):
+            base = base.obj
+        if isinstance(base, MappedFile):
+            return True
+    return False
+
+
+def test_files_live_under_the_root_and_unspill_maps_them(root):
+    buf = shared_buffer()
+    assert buf.spill_directory.startswith(os.path.join(root, f"dask-shm-{os.geteuid()}"))
+    assert paths.filesystem_type(buf.spill_directory) == "tmpfs"
+    buf["x"] = np.arange(4 * MB // 8, dtype=float)
+    buf.evict()
+    assert list(buf.slow) == ["x"]
+    x = buf["x"]
+    assert backed_by_mapping(x)
+    assert x.flags.writeable and x.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(x, np.arange(4 * MB // 8, dtype=float))
+
+
+def test_file_is_kept_while_held_and_only_private_bytes_count(root):
+    buf = shared_buffer()
+    buf["x"] = np.ones(8 * MB // 8)
+    buf.evict()
+    files_before = sorted(os.listdir(buf.spill_directory))
+    x = buf["x"]
+    assert "x" in buf.fast and "x" not in buf.slow
+    assert sorted(os.listdir(buf.spill_directory)) == files_before  # kept
+    assert buf.fast.weights["x"] == 0  # sizeof minus the mapped bytes
+    # the shared bytes are reported as spilled, so nbytes - memory = private
+    assert buf.spilled_total.memory == 8 * MB
+    assert buf.spilled_total.disk == os.path.getsize(store_of(buf).path("x"))
+    written = buf.cumulative_metrics["disk-write", "count"]
+    buf.evict()  # nothing to write: the file is still there
+    assert buf.cumulative_metrics["disk-write", "count"] == written
+    assert list(buf.slow) == ["x"]
+    del buf["x"]
+    assert os.listdir(buf.spill_directory) == []
+    assert buf.spilled_total == (0, 0)
+    np.testing.assert_array_equal(x, 1)  # a deleted file stays readable while mapped
+
+
+def test_writes_to_an_unspilled_array_stay_private(root):
+    buf = shared_buffer()
+    buf["x"] = np.zeros(MB // 8)
+    buf.evict()
+    x = buf["x"]
+    x[:] = 7  # copy-on-write
+    buf.evict()
+    del x
+    assert (buf["x"] == 0).all()
+
+
+def test_replacing_a_retained_value_drops_its_file(root):
+    buf = shared_buffer()
+    buf["x"] = np.zeros(MB // 8)
+    buf.evict()
+    buf["x"]
+    buf["x"] = np.ones(MB // 8)
+    assert os.listdir(buf.spill_directory) == []
+    assert buf.fast.weights["x"] >= MB
+    buf.evict()
+    assert (buf["x"] == 1).all()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pd.DataFrame({"a": np.arange(MB // 8), "b": np.ones(MB // 8)}),
+        pa.table({"a": np.arange(MB // 8)}),
+    ],
+    ids=["pandas", "pyarrow"],
+)
+def test_pandas_and_arrow_data_come_back_shared(root, value):
+    buf = shared_buffer()
+    buf["v"] = value
+    buf.evict()
+    got = buf["v"]
+    assert buf.fast.weights["v"] < 0.1 * MB
+    if isinstance(value, pd.DataFrame):
+        pd.testing.assert_frame_equal(got, value)
+    else:
+        assert got.equals(value)
+
+
+def test_pickled_objects_and_small_values_stay_private(root):
+    buf = shared_buffer()
+    buf["strings"] = np.array(["abc"] * 100_000, dtype=object)
+    buf["small"] = np.ones(10)
+    buf.evict()
+    buf.evict()
+    assert store_of(buf).shareable == {}
+    got = buf["strings"]
+    assert "strings" in buf.fast and "strings" not in store_of(buf).retained
+    assert len(os.listdir(buf.spill_directory)) == 1  # its file was deleted
+    assert got[0] == "abc"
+    assert buf.export("strings") is None
+
+
+def test_mapping_limit_degrades_to_copies(root):
+    buf = shared_buffer()
+    buf["x"] = np.ones(MB // 8)
+    buf.evict()
+    store_of(buf)._map_budget = 0  # as if vm.max_map_count were exhausted
+    x = buf["x"]
+    assert not backed_by_mapping(x)
+    assert store_of(buf).degraded_reads == 1
+    assert (x == 1).all()
+
+
+def test_export_and_adopt_share_one_inode_and_split_accounting(root):
+    sender, receiver = shared_buffer(), shared_buffer()
+    sender["x"] = np.arange(MB // 8, dtype=float)  # in memory, no file yet
+    handle = sender.export("x")
+    assert handle is not None
+    assert "x" not in sender.fast and "x" in sender.slow  # private copy dropped
+    value = transfer.receive(transfer.ShmHandle(*handle))
+    os.unlink(handle.path)  # what the sender does after the handshake
+    receiver["x"] = value  # claims the received file
+    assert receiver.fast.weights["x"] == 0
+    s_path, r_path = store_of(sender).path("x"), store_of(receiver).path("x")
+    assert os.stat(s_path).st_ino == os.stat(r_path).st_ino
+    assert os.stat(s_path).st_nlink == 2
+    size = os.path.getsize(s_path)
+    assert sender.spilled_total.disk + receiver.spilled_total.disk == size
+    assert receiver.shm_counters["received_links"] == 1
+    del sender["x"]
+    assert receiver.spilled_total.disk == size
+    np.testing.assert_array_equal(receiver["x"], np.arange(MB // 8, dtype=float))
+
+
+def forged_handles(root: str, genuine: Handle) -> dict[str, tuple[str, int]]:
+    outside = tempfile.mkdtemp(dir="/dev/shm", prefix="dask-shm-outside-")
+    stolen = os.path.join(outside, "copy")
+    with open(genuine.path, "rb") as src, open(stolen, "wb") as dst:
+        dst.write(src.read())
+    link = os.path.join(os.path.dirname(genuine.path), "sneaky")
+    os.symlink(genuine.path, link)
+    return {
+        "outside the root": (stolen, genuine.size),
+        "a symlink": (link, genuine.size),
+        "another size": (genuine.path, genuine.size + 64),
+        "dot-dot escape": (os.path.join(root, "..", "..", "etc", "passwd"), 100),
+        "a directory": (root, 4096),
+    }
+
+
+def test_forged_handles_are_refused(root):
+    sender = shared_buffer()
+    sender["x"] = np.ones(MB // 8)
+    genuine = sender.export("x")
+    assert genuine is not None
+    for why, (path, size) in forged_handles(root, genuine).items():
+        with pytest.raises(ForgedHandleError, match="refused shared-memory handle"):
+            transfer.receive(transfer.ShmHandle(path, size, MB, MB))
+        with pytest.raises(ForgedHandleError):
+            read_peer_file(root, path, size)
+        assert why  # each case refused
+
+
+def test_fallback_copy_reads_a_valid_handle(root):
+    sender = shared_buffer()
+    sender["x"] = np.arange(1000, dtype=float) * np.ones((200, 1))
+    handle = sender.export("x")
+    assert handle is not None
+    frames = read_peer_file(root, handle.path, handle.size)
+    from dask_shm.spill_store import frames_to_object
+
+    np.testing.assert_array_equal(frames_to_object(frames), sender["x"])
+
+
+def test_unusable_root_warns_and_spills_privately(caplog, tmp_path):
+    not_tmpfs = tempfile.mkdtemp(dir="/work" if os.path.isdir("/work") else "/var/tmp")
+    try:
+        with dask.config.set({"shm.shared-memory.root": not_tmpfs}):
+            buf = SpillBuffer(str(tmp_path / "spill"), target=MB, shared=True)
+        assert not buf.shared
+        assert "not tmpfs" in caplog.text and "spilling privately" in caplog.text
+        buf["x"] = np.ones(MB)
+        assert (buf["x"] == 1).all()
+        with dask.config.set({"shm.shared-memory.root": "/nonexistent/shm"}):
+            with pytest.raises(ValueError, match="no spill_directory"):
+                SpillBuffer(None, target=MB, shared=True)
+    finally:
+        os.rmdir(not_tmpfs)
+
+
+def test_dead_process_directories_are_swept(root):
+    base = paths.user_root(root)
+    dead = os.path.join(base, paths.ProcessIdentity(2**22 + 12345, 1).dirname)
+    os.makedirs(os.path.join(dead, "w-1"))
+    open(os.path.join(dead, "w-1", "x#0"), "w").close()
+    alive = paths.process_dir(root)
+    assert dead in paths.sweep_dead_processes(root)
+    assert not os.path.exists(dead) and os.path.isdir(alive)

@@ -1,0 +1,192 @@
+"""Shared-memory mode across real worker processes and real files on /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, Worker, wait
+
+from dask_shm import SharedMemoryNannyPlugin, SharedMemoryPlugin
+from dask_shm.procmem import host_memory_used, process_memory
+from dask_shm.shared import shm_metrics
+
+MB = 2**20
+GB = 2**30
+
+
+def make_array(nbytes: int, fill: float = 1.0) -> np.ndarray:
+    return np.full(nbytes // 8, fill)
+
+
+def inode_of(dask_worker: Worker, key: str) -> int | None:
+    store = dask_worker.data._slow_uncached
+    name = store.file_of(key)
+    return None if name is None else os.stat(store.files.path(name)).st_ino
+
+
+def bytes_read(dask_worker: Worker) -> int:
+    """Bytes this process has read through read-like system calls (sockets included)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+def process_dir_of(dask_worker: Worker) -> str:
+    return os.path.dirname(dask_worker.data.spill_directory)
+
+
+@pytest.fixture(scope="module")
+def shm_cluster():
+    # No Active Memory Manager: it would drop the replicas these tests count.
+    with (
+        dask.config.set({"distributed.scheduler.active-memory-manager.start": False}),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit="6GiB",
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(SharedMemoryPlugin())
+        client.register_plugin(SharedMemoryNannyPlugin())
+        yield client
+
+
+def two_workers(client: Client) -> tuple[str, str]:
+    a, b = sorted(client.scheduler_info()["workers"])
+    return a, b
+
+
+def test_a_key_reaches_a_sibling_by_hard_link(shm_cluster):
+    client = shm_cluster
+    a, b = two_workers(client)
+    before = client.run(bytes_read, workers=[b])[b]
+    x = client.submit(make_array, 64 * MB, 3.0, workers=[a], key="link-x")
+    total = client.submit(lambda v: float(v.sum()), x, workers=[b], key="link-sum")
+    assert total.result() == 3.0 * 8 * MB  # what numpy gives without any plugin
+    read = client.run(bytes_read, workers=[b])[b] - before
+    assert read < 8 * MB, f"{read} bytes read by the receiver: the array crossed a socket"
+    inodes = client.run(inode_of, key="link-x")
+    assert inodes[a] is not None and inodes[a] == inodes[b]
+    figures = client.run(shm_metrics)
+    assert figures[a]["link_transfers"] >= 1 and figures[a]["link_bytes"] >= 64 * MB
+    assert figures[b]["received_links"] >= 1
+    assert figures[a]["fallback_transfers"] == 0
+    # each holder accounts half of the file
+    assert figures[a]["shared_bytes"] == pytest.approx(32 * MB, rel=0.01)
+    del x, total
+
+
+def test_a_client_on_the_same_host_gets_real_values(shm_cluster):
+    client = shm_cluster
+    a, _ = two_workers(client)
+    x = client.submit(make_array, 8 * MB, 2.0, workers=[a], key="client-x")
+    wait(x)
+    client.run(lambda dask_worker: dask_worker.data.evict(), workers=[a])
+    got = x.result()
+    assert isinstance(got, np.ndarray) and got.shape == (MB,) and (got == 2.0).all()
+    assert client.gather(client.scatter(np.arange(10))).tolist() == list(range(10))
+
+
+def test_host_memory_holds_one_copy_for_two_holders(shm_cluster):
+    client = shm_cluster
+    a, b = two_workers(client)
+    baseline = host_memory_used()
+    x = client.submit(make_array, GB, 1.0, workers=[a], key="big-x")
+    y = client.submit(lambda v: float(v[::4096].sum() + v.sum()), x, workers=[b], key="big-y")
+    y.result()
+    held = client.run(lambda dask_worker: "big-x" in dask_worker.data)
+    assert held == {a: True, b: True}
+    grown = host_memory_used() - baseline
+    # stock: two private copies (+2 GiB); here one shared file
+    assert grown < 1.5 * GB, f"host memory grew by {grown / GB:.2f} GiB"
+    mem_b = client.run(lambda: process_memory(), workers=[b])[b]
+    assert mem_b.shmem > 0.9 * GB  # b touched every page of the shared file
+    assert mem_b.private < 0.5 * GB
+    # shared pages are not b's memory for the monitor nor in what it reports
+    monitored = client.run(lambda dask_worker: dask_worker.monitor.get_process_memory())[b]
+    assert monitored < mem_b.rss - 0.9 * GB
+    managed = client.run(lambda dask_worker: dask_worker.data.fast.total_weight, workers=[b])[b]
+    assert managed < 0.1 * GB
+    del x, y
+    deadline = time.monotonic() + 30
+    while any(client.run(lambda dask_worker: "big-x" in dask_worker.data).values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_metrics_reach_get_metrics_and_prometheus(shm_cluster):
+    client = shm_cluster
+    a, _ = two_workers(client)
+
+    def heartbeat_metrics(dask_scheduler):
+        return {w: ws.metrics.get("shm") for w, ws in dask_scheduler.workers.items()}
+
+    # get_metrics() output reaches the scheduler with each heartbeat
+    deadline = time.monotonic() + 30
+    while not (shm := client.run_on_scheduler(heartbeat_metrics)[a]):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert set(shm) >= {"shared_bytes", "link_transfers", "fallback_bytes"}
+
+    def exposition() -> str:
+        import prometheus_client
+
+        return prometheus_client.generate_latest().decode()
+
+    assert "dask_worker_shm_link_bytes" in client.run(exposition)[a]
+
+
+def test_a_killed_worker_leaves_no_files_after_the_nanny_restarts_it(shm_cluster):
+    client = shm_cluster
+    a, b = two_workers(client)
+    x = client.submit(make_array, 16 * MB, workers=[a], key="doomed")
+    wait(x)
+    client.run(lambda dask_worker: dask_worker.data.evict(), workers=[a])
+    directory = client.run(process_dir_of, workers=[a])[a]
+    assert os.listdir(directory)
+    pid = client.run(os.getpid, workers=[a])[a]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        workers = client.scheduler_info()["workers"]
+        if len(workers) == 2 and a not in workers:
+            break
+        assert time.monotonic() < deadline, "the nanny did not restart the worker"
+        time.sleep(0.2)
+    client.wait_for_workers(2)
+    assert not os.path.exists(directory)
+    kinds = client.run(lambda dask_worker: dask_worker.data.shared)
+    assert list(kinds.values()) == [True, True]
+
+
+def test_config_alone_turns_it_on_in_worker_processes():
+    config = {
+        "distributed.worker.preload": ["dask_shm"],
+        "distributed.nanny.preload": ["dask_shm"],
+        "shm.shared-memory.enabled": True,
+    }
+    with (
+        dask.config.set(config),
+        LocalCluster(
+            n_workers=2, processes=True, memory_limit="1GiB", dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        a, b = two_workers(client)
+        state = client.run(
+            lambda dask_worker: (
+                dask_worker.data.shared,
+                "dask-shm-shared-memory" in dask_worker.plugins,
+            )
+        )
+        assert list(state.values()) == [(True, True), (True, True)]
+        x = client.submit(make_array, 4 * MB, workers=[a])
+        assert client.submit(lambda v: v.size, x, workers=[b]).result() == MB // 2
+        assert client.run(shm_metrics, workers=[a])[a]["link_transfers"] == 1
