@@ -242,3 +242,63 @@ def test_dead_process_directories_are_swept(root):
     alive = paths.process_dir(root)
     assert dead in paths.sweep_dead_processes(root)
     assert not os.path.exists(dead) and os.path.isdir(alive)
+
+
+def test_truncated_shared_file_raises_naming_the_key(root):
+    from dask_shm import SpillFileError
+
+    buf = shared_buffer()
+    buf["x"] = np.ones(MB // 8)
+    buf.evict()
+    with open(store_of(buf).path("x"), "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(SpillFileError, match="'x'"):
+        buf["x"]
+    del buf["x"]
+    assert os.listdir(buf.spill_directory) == []
+
+
+def test_many_threads_keep_values_and_accounting_consistent(root):
+    import random
+    import threading
+
+    buf = shared_buffer(target=4 * MB)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        mine = [f"t{seed}-{i}" for i in range(6)]  # each thread owns its keys
+        try:
+            for _ in range(300):
+                key = rng.choice(mine)
+                op = rng.random()
+                if op < 0.4:
+                    buf[key] = np.full(rng.choice([16, 64 * 1024, 256 * 1024]), hash(key) % 97.0)
+                elif op < 0.7 and key in buf:
+                    assert (buf[key] == hash(key) % 97.0).all()
+                elif op < 0.85 and key in buf:
+                    del buf[key]
+                else:
+                    buf.evict()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Files and accounting must agree whatever happened (our layer: strict).
+    store = store_of(buf)
+    names = set(store.filenames.values()) | {r.name for r in store.retained.values()}
+    assert names == set(os.listdir(buf.spill_directory))
+    expected_disk = sum(os.path.getsize(os.path.join(buf.spill_directory, n)) for n in names)
+    assert buf.spilled_total.disk == expected_disk
+    for key in list(buf):
+        assert (buf[key] == hash(key) % 97.0).all()
+    if errors:
+        # zict.Buffer's eviction from one thread racing its owner's write or
+        # read can lose a key (see ZICT_THREAD_RACE in test_spill_faults.py;
+        # stock fails that test every time). Anything else is ours: fail.
+        assert all(isinstance(e, KeyError) for e in errors), errors[:3]
+        pytest.xfail(f"inherited zict thread race: {errors[:3]}")

@@ -100,7 +100,9 @@ class SpillBuffer(zict.Buffer[Key, object]):
         self.logged_pickle_errors = set()
         #: shared mode: transfers by hard link and their fallbacks
         self.shm_counters: defaultdict[str, int] = defaultdict(int)
-        store = _shared_store(spill_directory, max_spill, self.cumulative_metrics) if shared else None
+        store = (
+            _shared_store(spill_directory, max_spill, self.cumulative_metrics) if shared else None
+        )
         self.shared = store is not None
         if store is not None:
             # The shared store keeps its own weak cache of private values;
@@ -356,9 +358,10 @@ def _shared_store(
         paths.check_root(settings.root)
         if spill_directory is None:
             spill_directory = paths.subdir(settings.root, f"buffer-{uuid.uuid4().hex[:12]}")
-        elif os.stat(paths.user_root(settings.root)).st_dev != os.stat(
-            os.path.dirname(os.path.abspath(spill_directory)) or "/"
-        ).st_dev:
+        elif (
+            os.stat(paths.user_root(settings.root)).st_dev
+            != os.stat(os.path.dirname(os.path.abspath(spill_directory)) or "/").st_dev
+        ):
             raise paths.UnusableRoot(
                 f"spill directory {spill_directory} is not on the shared-memory root "
                 f"{settings.root}'s file system"

@@ -81,7 +81,11 @@ class _PrivateMemoryTerminator:
             )
             process.terminate()
         else:
-            logger.warning("Worker %s (pid=%d) is slow to terminate; killing it", nanny.worker_address, process.pid)
+            logger.warning(
+                "Worker %s (pid=%d) is slow to terminate; killing it",
+                nanny.worker_address,
+                process.pid,
+            )
             process.kill()
 
 

@@ -112,9 +112,7 @@ class _Incoming:
         with self.lock:
             self.pending[id(received.value)] = received
             expired = [
-                k
-                for k, r in self.pending.items()
-                if time.monotonic() - r.since > UNCLAIMED_TTL
+                k for k, r in self.pending.items() if time.monotonic() - r.since > UNCLAIMED_TTL
             ]
             dropped = [self.pending.pop(k) for k in expired]
         for r in dropped:
