@@ -302,3 +302,14 @@ def test_many_threads_keep_values_and_accounting_consistent(root):
         # stock fails that test every time). Anything else is ours: fail.
         assert all(isinstance(e, KeyError) for e in errors), errors[:3]
         pytest.xfail(f"inherited zict thread race: {errors[:3]}")
+
+
+def test_shared_bytes_hook_for_spans(root):
+    buf = shared_buffer()
+    buf["x"] = np.ones(MB // 8)
+    buf["s"] = ["a"] * 1000
+    assert buf.shared_bytes("x") == 0  # in private memory, no file
+    buf.evict()
+    buf["x"]
+    assert buf.shared_bytes("x") == os.path.getsize(store_of(buf).path("x"))
+    assert buf.shared_bytes("s") == 0

@@ -309,6 +309,18 @@ class SpillBuffer(zict.Buffer[Key, object]):
             return  # its file is still there: nothing to write
         super().fast_to_slow(key, value)
 
+    def shared_bytes(self, key: Key) -> int:
+        """Bytes of ``key``'s shared file that count for this worker (1/k of
+        the file for k hard links); 0 for a private key or a private buffer.
+        Read by the span extension to report per-span shared memory."""
+        if not self.shared:
+            return 0
+        store = self._shared_store
+        name = store.file_of(key)
+        if name is None or name not in store.shareable:
+            return 0
+        return store.files.sizes(name)[1]
+
     def export(self, key: Key) -> Handle | None:
         """Shared mode: make sure ``key`` is in a file and return a handle for a
         peer on this host (a fresh hard link the caller deletes once the peer
