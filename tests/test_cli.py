@@ -1,58 +1,239 @@
-"""The ``dask-shm`` command line, run as a user would run it."""
+"""The ``dask-shm demo`` command, run as a user would run it, and its parts."""
 
 from __future__ import annotations
 
+import io
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from dask_shm.cli import RunResult, format_table, main
+from dask_shm.cli import main
+from dask_shm.demo import DemoConfig, RunResult, default_config, format_table
+from dask_shm.demo.options import GiB, MiB
+from dask_shm.demo.plot import plot_runs
+from dask_shm.demo.progress import TextBar
+from dask_shm.demo.sampling import WorkerSeries
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ROWS = (
+    "wall time",
+    "host memory, peak increase",
+    "worker private memory, peak",
+    "spilled or shared, peak (all workers)",
+    "moved between workers, TCP",
+    "moved between workers, hard link",
+    "result",
+)
 
 
-def test_demo_runs_end_to_end_and_prints_the_comparison():
+class Demo:
+    def __init__(self, proc: subprocess.CompletedProcess[str], png: Path) -> None:
+        self.proc = proc
+        self.png = png
+        self.lines = proc.stdout.splitlines()
+
+    def row(self, name: str) -> list[str]:
+        """Cells of the table row ``name``: [stock, ours, ratio]."""
+        line = next(line for line in self.lines if line.startswith(name + "  "))
+        return re.split(r"\s{2,}", line[len(name) :].strip())
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
+    """``python -m dask_shm demo --quick``, end to end, once for the module."""
+    png = tmp_path_factory.mktemp("demo") / "x.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "dask_shm", "demo", "--quick", "--size", "192MiB"],
+        [sys.executable, "-m", "dask_shm", "demo", "--quick", "--output", str(png)],
         capture_output=True,
         text=True,
         timeout=240,
     )
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    assert "stock distributed" in out and "dask-shm" in out
-    for row in ("wall time", "bytes written to spill", "time reading spill files", "result"):
-        assert row in out
-    result_line = next(line for line in out.splitlines() if line.startswith("result"))
-    assert result_line.rstrip().endswith("same")
-    spilled_line = next(line for line in out.splitlines() if line.startswith("bytes written"))
-    assert "0 B " not in spilled_line  # both runs really spilled
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return Demo(proc, png)
+
+
+def test_demo_prints_the_side_by_side_table(demo: Demo) -> None:
+    header = next(line for line in demo.lines if "ours/stock" in line)
+    assert "stock distributed" in header and "dask-shm" in header
+    for name in ROWS:
+        assert len(demo.row(name)) == 3, name
+    # Ratios (ours/stock) are numbers, or "-" where stock's figure is zero.
+    for name in ROWS[:-1]:
+        assert re.fullmatch(r"\d+\.\d\d|-", demo.row(name)[2]), demo.row(name)
+    assert re.fullmatch(r"\d+\.\d\d", demo.row("wall time")[2])
+    assert re.fullmatch(r"\d+\.\d\d", demo.row("host memory, peak increase")[2])
+
+
+def test_both_runs_give_the_same_result(demo: Demo) -> None:
+    stock, ours, verdict = demo.row("result")
+    assert verdict == "same"
+    assert float(stock) == pytest.approx(float(ours), rel=1e-6)
+    assert float(stock) > 0
+
+
+def test_stock_moves_bytes_over_tcp_and_dask_shm_by_hard_link(demo: Demo) -> None:
+    stock_tcp, _, _ = demo.row("moved between workers, TCP")
+    stock_link, ours_link, ratio = demo.row("moved between workers, hard link")
+    assert not stock_tcp.startswith("0 B")  # all-to-all: workers need each other's blocks
+    assert stock_link == "0 B" and ratio == "-"
+    assert not ours_link.startswith("0 B")
+
+
+def test_progress_is_shown_without_flooding_a_pipe(demo: Demo) -> None:
+    bars = [line for line in demo.lines if "% of " in line and " tasks | " in line]
+    assert any(line.startswith("stock distributed: [") for line in bars)
+    assert any(line.startswith("dask-shm: [") for line in bars)
+    assert any(" 100% of " in line for line in bars)
+    assert "\r" not in demo.proc.stdout
+    assert len(bars) <= 2 * 6  # at most one line per quarter (and 0%) per run
+
+
+def test_demo_writes_a_png_plot(demo: Demo) -> None:
+    from matplotlib.image import imread
+
+    assert demo.png.read_bytes()[:8] == PNG_SIGNATURE
+    image = imread(demo.png)
+    assert image.ndim == 3 and image.shape[2] in (3, 4)
+    assert image.shape[0] > 300 and image.shape[1] > 600
+    assert f"plot: {demo.png}" in demo.proc.stdout
+
+
+def test_bad_option_exits_2_with_usage_from_the_command_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dask_shm", "demo", "--size=-1GiB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: dask-shm demo")
+    assert "argument --size: must be positive" in proc.stderr
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["demo", "--size", "lots"], "not a byte size"),
-        (["demo", "--workers", "0"], "must be positive"),
-        (["demo", "--workers", "two"], "not an integer"),
+        (["demo", "--size", "lots"], "argument --size: not a byte size: 'lots'"),
+        (["demo", "--size=-1GiB"], "argument --size: must be positive"),
+        (["demo", "--size", "0"], "argument --size: must be positive"),
+        (["demo", "--chunk", "1.5 fortnights"], "argument --chunk: not a byte size"),
+        (["demo", "--memory-limit", "-3"], "argument --memory-limit: must be positive"),
+        (["demo", "--workers", "0"], "argument --workers: must be positive"),
+        (["demo", "--workers", "two"], "argument --workers: not an integer"),
+        (["demo", "--threads", "-1"], "argument --threads: must be positive"),
+        (["demo", "--size", "1MiB", "--chunk", "2MiB"], "--chunk (2.00 MiB) must not exceed"),
+        (["demo", "--output", "/nonexistent-dir/x.png"], "--output: directory"),
+        (["demo", "--frobnicate"], "unrecognized arguments"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
 )
-def test_bad_options_give_a_usage_error(argv, message, capsys):
+def test_bad_options_give_a_usage_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("usage: dask-shm")
+    assert message in err
 
 
-def test_chunk_larger_than_size_is_refused(capsys):
-    assert main(["demo", "--size", "1MiB", "--chunk", "2MiB"]) == 2
-    assert "--chunk must not exceed --size" in capsys.readouterr().err
+def test_defaults_are_sized_from_the_machine() -> None:
+    big = default_config(total_memory=64 * GiB, cores=16)
+    assert (big.size, big.chunk, big.workers, big.threads) == (2 * GiB, 64 * MiB, 4, 1)
+    assert big.memory_limit == 1 * GiB  # the cluster holds x twice
+    small = default_config(total_memory=6 * GiB, cores=1)
+    assert small.size == GiB // 2 and small.workers == 2
+    assert small.memory_limit == 512 * MiB
+    quick = default_config(quick=True, total_memory=64 * GiB, cores=2)
+    assert quick.size < big.size and quick.chunk < big.chunk
+    mine = default_config(quick=True, size=64 * MiB, workers=3, memory_limit=GiB)
+    assert (mine.size, mine.workers, mine.memory_limit) == (64 * MiB, 3, GiB)
 
 
-def test_table_reports_ratios_and_flags_different_results():
-    stock = RunResult("stock", 10.0, 1.0, 1000, 2.0, 1.0, 500)
-    ours = RunResult("dask-shm", 5.0, 1.5, 1000, 1.0, 0.5, 500)
-    table = format_table(stock, ours)
-    assert "0.50" in table.splitlines()[2]  # wall time ratio
-    assert "DIFFERENT" in table
+def test_config_shape_matches_the_requested_sizes() -> None:
+    config = DemoConfig(size=2 * GiB, chunk=64 * MiB, workers=2, threads=1, memory_limit=4 * GiB)
+    n, m = config.shape
+    assert config.nbytes == pytest.approx(2 * GiB, rel=0.01)
+    rows, cols = config.chunks
+    assert cols == m and 8 * rows * m == pytest.approx(64 * MiB, rel=0.02)
+    assert "2 worker processes x 1 thread, 4.00 GiB each" in config.describe()
+
+
+def _result(label: str, ours: bool, wall: float, result: float, **kw: int) -> RunResult:
+    figures = dict(
+        host_peak_increase=4 * GiB,
+        worker_peak_private=2 * GiB,
+        spilled_peak=0,
+        tcp_bytes=GiB,
+        link_bytes=0,
+    )
+    figures.update(kw)
+    return RunResult(label, ours, wall, result, **figures)  # type: ignore[arg-type]
+
+
+def test_table_reports_ratios_and_flags_different_results() -> None:
+    stock = _result("stock distributed", False, 10.0, 1.0)
+    ours = _result("dask-shm", True, 5.0, 1.0 + 1e-3, host_peak_increase=2 * GiB, tcp_bytes=0)
+    lines = format_table(stock, ours).splitlines()
+    assert lines[0].split() == ["stock", "distributed", "dask-shm", "ours/stock"]
+    by_name = {line.split("  ")[0]: line for line in lines[2:]}
+    assert by_name["wall time"].endswith("0.50")
+    assert by_name["host memory, peak increase"].endswith("0.50")
+    assert by_name["moved between workers, TCP"].endswith("0.00")
+    assert by_name["moved between workers, hard link"].endswith("-")
+    assert by_name["result"].endswith("DIFFERENT")
+    ours_close = _result("dask-shm", True, 5.0, 1.0 + 1e-9)
+    assert format_table(stock, ours_close).splitlines()[-1].endswith("same")
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_bar_redraws_on_a_terminal_and_writes_quarters_elsewhere(tty: bool) -> None:
+    stream = _Stream(tty)
+    bar = TextBar("run", stream)
+    for done in range(101):
+        bar.update(done, 100)
+    bar.finish(100, 100)
+    out = stream.getvalue()
+    if tty:
+        assert out.count("\r") == 102 and out.count("\n") == 1
+    else:
+        assert "\r" not in out
+        assert [line.split("]")[1].split("%")[0].strip() for line in out.splitlines()] == [
+            "0",
+            "25",
+            "50",
+            "75",
+            "100",
+        ]
+
+
+def test_plot_of_synthetic_runs(tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    series = WorkerSeries([0.0, 1.0, 2.0], [0, GiB, 0], [100 * MiB] * 3, [0, 0, GiB])
+    runs = [
+        _result(label, ours, 2.0, 1.0)
+        for label, ours in (("stock distributed", False), ("dask-shm", True))
+    ]
+    for run in runs:
+        run.host = [(0.0, 0), (1.0, 3 * GiB), (2.0, GiB)]
+        run.workers = {"0": series, "1": series}
+        run.compute_start, run.compute_end = 0.5, 2.0
+    path = tmp_path / "p.png"
+    plot_runs(runs, path, title="synthetic")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    assert imread(path).shape[2] in (3, 4)

@@ -1,0 +1,170 @@
+"""Shared-memory mode on a LocalCluster: stock distributed vs dask-shm, in one run.
+
+Run: ``pytest benches/bench_shm.py`` (time ratios, and ours/stock ratios of the
+memory figures recorded in ``extra_info``, are printed at the end by
+benches/conftest.py).
+
+- ``test_demo_workload``: ``dask-shm demo``'s workload at the size of issue #3,
+  ``(x @ x.T).sum()`` with x 2 GiB of random floats in 64 MiB row blocks, on
+  2 and on 4 worker processes x 1 thread x 4 GiB (stock reference with 2
+  workers: host memory +4.0 GiB at peak, 57 s). Run once each; the time is
+  the computation's (submit to result), not the cluster's start.
+- ``test_transfer``: one 1 GiB numpy array computed on worker A, then needed
+  by a task on worker B on the same host. Times the transfer (submit of B's
+  task to its result) and records the host memory increase at its peak
+  (largest over the rounds) and right after it (median), and how much B's
+  private memory grew.
+
+Memory figures (``extra_info``): ``host_peak_increase_bytes`` is the peak of
+``MemTotal - MemAvailable`` minus its value at the start (before the cluster
+for the workload, after A holds the array for the transfer), so it counts a
+shared page once; ``worker_peak_private_bytes`` is the largest private memory
+(RSS without shared pages) of any worker process. On a busy host the host
+figure includes what other programs allocated meanwhile.
+
+``DASK_SHM_BENCH_SCALE`` (default 1) multiplies every size (arrays, chunks and
+memory limits, the latter at least 512 MiB), e.g. ``DASK_SHM_BENCH_SCALE=0.05``
+for a smoke run of a few seconds per test.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+from typing import Any
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+
+from dask_shm.demo import DemoConfig, DemoRun
+from dask_shm.demo.runner import CLUSTER_CONFIG, shared_memory_plugin
+from dask_shm.demo.table import results_match
+from dask_shm.procmem import MemorySampler
+
+GiB = 2**30
+MiB = 2**20
+
+
+def _scale() -> float:
+    text = os.environ.get("DASK_SHM_BENCH_SCALE", "1")
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = float("nan")
+    if not scale > 0:
+        raise ValueError(f"DASK_SHM_BENCH_SCALE must be a positive number; got {text!r}")
+    return scale
+
+
+SCALE = _scale()
+
+
+def scaled(nbytes: int, minimum: int = 1) -> int:
+    return max(minimum, int(nbytes * SCALE))
+
+
+#: Issue #3: x 2 GiB in 64 MiB chunks, workers x 1 thread x 4 GiB each.
+DEMO_SIZE = scaled(2 * GiB)
+DEMO_CHUNK = scaled(64 * MiB)
+MEMORY_LIMIT = scaled(4 * GiB, minimum=512 * MiB)
+TRANSFER_BYTES = scaled(GiB)
+
+#: Results of the workload per number of workers and impl, to check that
+#: stock and ours agree.
+RESULTS: dict[int, dict[str, float]] = {}
+
+
+@pytest.mark.parametrize("impl", ["stock", "ours"])
+@pytest.mark.parametrize("workers", [2, 4])
+def test_demo_workload(benchmark: Any, impl: str, workers: int) -> None:
+    benchmark.group = "demo: (x @ x.T).sum()"
+    config = DemoConfig(
+        size=DEMO_SIZE,
+        chunk=DEMO_CHUNK,
+        workers=workers,
+        threads=1,
+        memory_limit=MEMORY_LIMIT,
+    )
+    with DemoRun(config, ours=impl == "ours", show_progress=False) as run:
+        benchmark.pedantic(run.compute, rounds=1, iterations=1)
+    result = run.result()
+    benchmark.extra_info.update(
+        {
+            "config": config.describe(),
+            "wall_seconds": result.wall_seconds,
+            "host_peak_increase_bytes": result.host_peak_increase,
+            "worker_peak_private_bytes": result.worker_peak_private,
+            "spilled_peak_bytes": result.spilled_peak,
+            "tcp_transfer_bytes": result.tcp_bytes,
+            "link_transfer_bytes": result.link_bytes,
+            "result": result.result,
+        }
+    )
+    RESULTS.setdefault(workers, {})[impl] = result.result
+    others = [v for k, v in RESULTS[workers].items() if k != impl]
+    for other in others:
+        assert results_match(result.result, other), (result.result, other)
+
+
+def _make_array(nbytes: int) -> np.ndarray:
+    """A fresh array of random floats (incompressible, every page touched)."""
+    return np.random.default_rng(0).random(nbytes // 8)
+
+
+@pytest.mark.parametrize("impl", ["stock", "ours"])
+def test_transfer(benchmark: Any, impl: str) -> None:
+    benchmark.group = f"transfer one {TRANSFER_BYTES / GiB:.3g} GiB array, worker A -> B"
+    pids: set[int] = set()
+    peaks: list[int] = []
+    after: list[int] = []
+    b_private: list[int] = []
+    with (
+        dask.config.set(CLUSTER_CONFIG),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit=max(MEMORY_LIMIT, 3 * TRANSFER_BYTES),
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        if impl == "ours":
+            client.register_plugin(shared_memory_plugin())
+        worker_pids = client.run(os.getpid)
+        a, b = sorted(worker_pids)
+        pids.update(worker_pids.values())
+
+        def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+            on_a = client.submit(_make_array, TRANSFER_BYTES, workers=[a], pure=False)
+            wait(on_a)
+            sampler = MemorySampler(pids, interval=0.02).start()
+            return (on_a, sampler), {}
+
+        def transfer(on_a: Any, sampler: MemorySampler) -> None:
+            on_b = client.submit(operator.getitem, on_a, 0, workers=[b], pure=False)
+            on_b.result()
+
+        def teardown(on_a: Any, sampler: MemorySampler) -> None:
+            sampler.stop()
+            peaks.append(sampler.peak_host_increase())
+            after.append(sampler.samples[-1].host_used - (sampler.baseline or 0))
+            b_private.append(
+                max(s.processes[worker_pids[b]].private for s in sampler.samples)
+                - sampler.samples[0].processes[worker_pids[b]].private
+            )
+            client.cancel([on_a])
+
+        benchmark.pedantic(transfer, setup=setup, teardown=teardown, rounds=3, iterations=1)
+    benchmark.extra_info.update(
+        {
+            "bytes": TRANSFER_BYTES,
+            "host_peak_increase_bytes": max(peaks),
+            "host_increase_after_bytes": int(np.median(after)),
+            "receiver_private_increase_bytes": max(b_private),
+        }
+    )
