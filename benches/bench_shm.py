@@ -13,7 +13,10 @@ benches/conftest.py).
   by a task on worker B on the same host. Times the transfer (submit of B's
   task to its result) and records the host memory increase at its peak
   (largest over the rounds) and right after it (median), and how much B's
-  private memory grew.
+  private memory grew. ``ours`` starts from a value in A's private memory,
+  so the transfer includes copying it into shared memory once;
+  ``ours-preshared`` starts from a value already in a shared file (A spilled
+  it, received it from a peer, or runs with target 0), so only a link moves.
 
 Memory figures (``extra_info``): ``host_peak_increase_bytes`` is the peak of
 ``MemTotal - MemAvailable`` minus its value at the start (before the cluster
@@ -114,7 +117,12 @@ def _make_array(nbytes: int) -> np.ndarray:
     return np.random.default_rng(0).random(nbytes // 8)
 
 
-@pytest.mark.parametrize("impl", ["stock", "ours"])
+def _spill_everything(dask_worker: Any) -> None:
+    while dask_worker.data.fast:
+        dask_worker.data.evict()
+
+
+@pytest.mark.parametrize("impl", ["stock", "ours", "ours-preshared"])
 def test_transfer(benchmark: Any, impl: str) -> None:
     benchmark.group = f"transfer one {TRANSFER_BYTES / GiB:.3g} GiB array, worker A -> B"
     pids: set[int] = set()
@@ -133,7 +141,7 @@ def test_transfer(benchmark: Any, impl: str) -> None:
         ) as cluster,
         Client(cluster) as client,
     ):
-        if impl == "ours":
+        if impl.startswith("ours"):
             client.register_plugin(shared_memory_plugin())
         worker_pids = client.run(os.getpid)
         a, b = sorted(worker_pids)
@@ -142,6 +150,8 @@ def test_transfer(benchmark: Any, impl: str) -> None:
         def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
             on_a = client.submit(_make_array, TRANSFER_BYTES, workers=[a], pure=False)
             wait(on_a)
+            if impl == "ours-preshared":
+                client.run(_spill_everything, workers=[a])
             sampler = MemorySampler(pids, interval=0.02).start()
             return (on_a, sampler), {}
 
