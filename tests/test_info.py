@@ -65,15 +65,6 @@ def disk_dir():
     pytest.skip("no writable directory outside a tmpfs")
 
 
-@pytest.fixture
-def shm_dir():
-    path = tempfile.mkdtemp(prefix="test-info-", dir="/dev/shm")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import mmap
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -24,15 +22,6 @@ from dask_shm.procmem import (
 MiB = 2**20
 linux_only = pytest.mark.skipif(not HAVE_PROC, reason="needs Linux /proc")
 needs_dev_shm = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
-
-
-@pytest.fixture
-def shm_dir():
-    path = tempfile.mkdtemp(prefix="test-procmem-", dir="/dev/shm")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_file(path: str, nbytes: int) -> None:

@@ -20,15 +20,11 @@ MB = 2**20
 
 
 @pytest.fixture
-def root():
+def root(shm_dir):
     """A private shared-memory root on /dev/shm for one test."""
-    path = tempfile.mkdtemp(dir="/dev/shm", prefix="dask-shm-test-")
-    with dask.config.set({"shm.shared-memory.root": path}):
-        transfer.enable_receiving(path)
-        yield path
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    with dask.config.set({"shm.shared-memory.root": shm_dir}):
+        transfer.enable_receiving(shm_dir)
+        yield shm_dir
 
 
 def shared_buffer(target: int = 50 * MB) -> SpillBuffer:
