@@ -1,6 +1,8 @@
 """SpillBuffer: stock distributed vs dask-shm, side by side in one run.
 
 Run: ``pytest benches/bench_spill.py`` (ratios are printed at the end).
+``ours-norecycle`` is dask-shm with file recycling off (every spill writes a
+new file), to show what recycling contributes in the same run.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import dask
 import numpy as np
 import pytest
 from distributed.spill import SpillBuffer as StockSpillBuffer
@@ -25,6 +28,10 @@ DIRS = {"shm": "/dev/shm", "disk": tempfile.gettempdir()}
 def make(impl: str, directory: str, target: int) -> Any:
     if impl == "stock":
         return StockSpillBuffer(directory, target=target)
+    if impl == "ours-norecycle":
+        # every spill writes a new file, as before files were recycled
+        with dask.config.set({"shm.spill-recycle-bytes": 0}):
+            return SpillBuffer(directory, target=target)
     return SpillBuffer(directory, target=target, memmap=impl == "ours-mmap")
 
 
@@ -75,18 +82,13 @@ def test_per_op_without_spilling(benchmark: Any, impl: str, op: str, spill_dir: 
     run_per_op(benchmark, impl, spill_dir, op)
 
 
-@pytest.mark.parametrize("spill_dir", ["shm", "disk"], indirect=True)
-@pytest.mark.parametrize("impl", ["stock", "ours"])
-def test_spill_64mib(benchmark: Any, impl: str, spill_dir: str) -> None:
-    """Spill bandwidth: a 64 MiB array heavier than target goes straight to a file."""
-    benchmark.group = f"spill 64 MiB to {os.path.dirname(spill_dir)}"
-    value = np.random.default_rng(0).random(BIG // 8)
-    buf = make(impl, spill_dir, target=2**20)
+def spill_then_delete(benchmark: Any, buf: Any, value: np.ndarray) -> None:
+    """Time ``buf[key] = value`` (heavier than target: straight to a file);
+    the key is deleted between rounds."""
     counter = iter(range(10**9))
 
     def setup() -> tuple[tuple[str], dict[str, Any]]:
-        key = f"x{next(counter)}"
-        return (key,), {}
+        return (f"x{next(counter)}",), {}
 
     def spill(key: str) -> None:
         buf[key] = value
@@ -94,8 +96,48 @@ def test_spill_64mib(benchmark: Any, impl: str, spill_dir: str) -> None:
     def teardown(key: str) -> None:
         del buf[key]
 
-    benchmark.extra_info["bytes"] = BIG
     benchmark.pedantic(spill, setup=setup, teardown=teardown, rounds=15, warmup_rounds=1)
+
+
+def spill_then_unspill(benchmark: Any, buf: Any) -> None:
+    """Time ``buf.evict()`` of the one key (it fits in target); between rounds
+    a copying read moves it back to memory and deletes its file. The buffer
+    holds the only reference, so nothing is served from the weak-value cache."""
+
+    def unspill() -> None:
+        if "x" in buf.slow:
+            assert buf["x"].nbytes == BIG
+        assert "x" in buf.fast and "x" not in buf.slow
+
+    def evict() -> None:
+        assert buf.evict() > 0
+
+    benchmark.pedantic(evict, setup=unspill, rounds=15, warmup_rounds=1)
+    assert "x" in buf.slow
+
+
+@pytest.mark.parametrize("spill_dir", ["shm", "disk"], indirect=True)
+@pytest.mark.parametrize("impl", ["stock", "ours", "ours-norecycle"])
+@pytest.mark.parametrize("cycle", ["del", "unspill"])
+def test_spill_64mib(benchmark: Any, impl: str, spill_dir: str, cycle: str) -> None:
+    """Spill bandwidth in a worker's steady state: one long-lived buffer
+    spills a 64 MiB array, later gets rid of its file and spills again. Only
+    the spill is timed; the warm-up round spills into an empty directory.
+
+    - ``cycle=del``: the key is deleted (a task released its result);
+    - ``cycle=unspill``: the key is read back with a copying read, which moves
+      it to memory and deletes its file, then evicted again.
+    """
+    benchmark.group = f"spill 64 MiB to {os.path.dirname(spill_dir)}"
+    benchmark.extra_info["bytes"] = BIG
+    value = np.random.default_rng(0).random(BIG // 8)
+    if cycle == "del":
+        spill_then_delete(benchmark, make(impl, spill_dir, target=2**20), value)
+    else:
+        buf = make(impl, spill_dir, target=2 * BIG)
+        buf["x"] = value
+        del value
+        spill_then_unspill(benchmark, buf)
 
 
 @pytest.mark.parametrize("spill_dir", ["shm", "disk"], indirect=True)

@@ -26,6 +26,13 @@ pub struct Ledger {
     /// Entries whose file may have other hard links (handed to or received
     /// from a peer); their disk size is shared among the links.
     shared: HashSet<String>,
+    /// Entries whose file has been memory-mapped: a mapping may outlive the
+    /// entry, so their file must never be overwritten (recycled).
+    pinned: HashSet<String>,
+    /// Copying reads in progress per name. A file removed while being read
+    /// is never recycled (the reader still holds it open). Counts may outlive
+    /// their entry until the read ends; names are never reused by a store.
+    readers: HashMap<String, u32>,
 }
 
 impl Ledger {
@@ -57,6 +64,7 @@ impl Ledger {
         self.reserved_disk -= sizes.disk;
         if let Some(old) = self.entries.insert(name.to_owned(), sizes) {
             self.shared.remove(name);
+            self.pinned.remove(name);
             self.subtract(old);
         }
         self.total.memory += sizes.memory;
@@ -64,10 +72,48 @@ impl Ledger {
     }
 
     pub fn remove(&mut self, name: &str) -> Option<Sizes> {
+        self.remove_entry(name).map(|(sizes, _)| sizes)
+    }
+
+    /// Remove an entry; also tells whether nobody else can still see its
+    /// file through us: never shared, never mapped, no read in progress.
+    pub fn remove_entry(&mut self, name: &str) -> Option<(Sizes, bool)> {
         let sizes = self.entries.remove(name)?;
-        self.shared.remove(name);
+        let shared = self.shared.remove(name);
+        let pinned = self.pinned.remove(name);
+        let private = !shared && !pinned && !self.readers.contains_key(name);
         self.subtract(sizes);
-        Some(sizes)
+        Some((sizes, private))
+    }
+
+    /// Record that the entry's file has been mapped (see `pinned`). Returns
+    /// false for an unknown name.
+    pub fn pin(&mut self, name: &str) -> bool {
+        if !self.entries.contains_key(name) {
+            return false;
+        }
+        self.pinned.insert(name.to_owned());
+        true
+    }
+
+    /// Count a copying read of a known entry as in progress; false for an
+    /// unknown name (nothing counted). Pair with `end_read`.
+    pub fn begin_read(&mut self, name: &str) -> bool {
+        if !self.entries.contains_key(name) {
+            return false;
+        }
+        *self.readers.entry(name.to_owned()).or_insert(0) += 1;
+        true
+    }
+
+    /// End a read counted by `begin_read` (the entry may be gone by now).
+    pub fn end_read(&mut self, name: &str) {
+        if let Some(n) = self.readers.get_mut(name) {
+            *n -= 1;
+            if *n == 0 {
+                self.readers.remove(name);
+            }
+        }
     }
 
     fn subtract(&mut self, sizes: Sizes) {
@@ -185,6 +231,33 @@ mod tests {
             }
         );
         assert_eq!(ledger.reserved_disk(), 0);
+    }
+
+    #[test]
+    fn removal_tells_whether_the_file_was_private() {
+        let mut ledger = Ledger::new();
+        let one = Sizes { memory: 1, disk: 1 };
+        for name in ["plain", "shared", "pinned", "read", "read-done"] {
+            ledger.try_reserve(1, None);
+            ledger.commit(name, one);
+        }
+        assert!(ledger.mark_shared("shared"));
+        assert!(ledger.pin("pinned"));
+        assert!(!ledger.pin("unknown"));
+        assert!(!ledger.begin_read("unknown"));
+        assert!(ledger.begin_read("read"));
+        assert!(ledger.begin_read("read-done"));
+        ledger.end_read("read-done");
+        assert_eq!(ledger.remove_entry("plain"), Some((one, true)));
+        assert_eq!(ledger.remove_entry("shared"), Some((one, false)));
+        assert_eq!(ledger.remove_entry("pinned"), Some((one, false)));
+        assert_eq!(ledger.remove_entry("read"), Some((one, false)));
+        assert_eq!(ledger.remove_entry("read-done"), Some((one, true)));
+        assert_eq!(ledger.remove_entry("plain"), None);
+        // a read that outlives its entry still ends cleanly
+        ledger.end_read("read");
+        assert!(ledger.readers.is_empty());
+        assert_eq!(ledger.total(), Sizes::default());
     }
 
     #[test]

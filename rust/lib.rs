@@ -9,6 +9,7 @@ pub mod peer;
 mod py_amm;
 mod py_buffers;
 mod py_store;
+mod recycle;
 pub mod store;
 
 use pyo3::prelude::*;

@@ -97,12 +97,26 @@ pub struct FileStore {
 #[pymethods]
 impl FileStore {
     /// Open (creating it with mode 0700 if needed) the spill directory.
+    /// `recycle_bytes` > 0 keeps up to that many bytes of removed entries'
+    /// files for reuse by later puts; only for stores whose files are never
+    /// mapped (`read_mapped`) by anyone.
     #[new]
-    fn new(py: Python<'_>, directory: std::path::PathBuf) -> PyResult<FileStore> {
-        let inner = py.detach(|| Store::open(directory))?;
+    #[pyo3(signature = (directory, recycle_bytes=0))]
+    fn new(
+        py: Python<'_>,
+        directory: std::path::PathBuf,
+        recycle_bytes: u64,
+    ) -> PyResult<FileStore> {
+        let inner = py.detach(|| Store::open_recycling(directory, recycle_bytes))?;
         Ok(FileStore {
             inner: Arc::new(inner),
         })
+    }
+
+    /// `(files, bytes)` held for reuse (not entries).
+    #[getter]
+    fn pooled(&self) -> (usize, u64) {
+        self.inner.pooled()
     }
 
     #[getter]
@@ -144,10 +158,10 @@ impl FileStore {
     /// bytearray (nothing stays open afterwards).
     fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyList>> {
         let store = Arc::clone(&self.inner);
-        let (mut file, size) = py.detach(|| store.open_entry(name)).map_err(to_pyerr)?;
+        let mut reader = py.detach(|| store.open_entry(name)).map_err(to_pyerr)?;
         let mut layout = None;
-        let buf = PyByteArray::new_with(py, size as usize, |bytes| {
-            let result = py.detach(|| store.read_into(name, &mut file, bytes));
+        let buf = PyByteArray::new_with(py, reader.size as usize, |bytes| {
+            let result = py.detach(|| store.read_into(name, &mut reader.file, bytes));
             layout = Some(result.map_err(to_pyerr)?);
             Ok(())
         })?;

@@ -10,6 +10,20 @@
 //! - every read validates the header against the file size, so a truncated,
 //!   extended or foreign file is reported instead of being deserialized.
 //!
+//! Recycling (off unless opened with `open_recycling`): on a tmpfs, writing a
+//! spill file costs mostly the kernel allocating fresh pages for it, and
+//! deleting one costs freeing them. A recycling store keeps the files of
+//! removed entries, up to a byte budget, under hidden pool names (`.pool-*`,
+//! never entry names) and overwrites one of them instead of creating a new
+//! file, reusing its already-allocated pages. Only files nobody else can see
+//! are pooled: one hard link, never shared, never mapped by this store, no
+//! read in progress. A store whose values are mapped must not recycle at all
+//! (a `MAP_PRIVATE` mapping still reads the file for pages it has not yet
+//! touched), which is why recycling is opt-in. A reused file is written
+//! under a temporary name and published exactly like a fresh one, so the
+//! crash guarantee above holds; pooled files are not entries (not in the
+//! ledger, not in `names()`), are never read, and are deleted on drop.
+//!
 //! Nothing here touches Python: `py_store` wraps it and releases the GIL
 //! around every call that does I/O.
 
@@ -25,10 +39,15 @@ use memmap2::{MmapMut, MmapOptions};
 use crate::format::{self, FormatError, Layout};
 use crate::ledger::{Ledger, Sizes};
 use crate::peer::PeerFile;
+use crate::recycle::{on_tmpfs, open_recycled, overwrite, Pool, MIN_RECYCLE};
 
 /// Linux refuses `writev` with more than this many buffers.
 const IOV_MAX: usize = 1024;
 static ZEROS: [u8; format::ALIGN as usize] = [0; format::ALIGN as usize];
+
+/// Distinguishes the hidden names of several stores of one process that
+/// share a directory.
+static STORE_IDS: AtomicU64 = AtomicU64::new(0);
 
 #[derive(Debug)]
 pub enum StoreError {
@@ -71,6 +90,40 @@ pub struct FileStore {
     dir: PathBuf,
     ledger: Mutex<Ledger>,
     counter: AtomicU64,
+    /// `{pid}-{store id}`: prefix of this store's hidden names.
+    tag: String,
+    /// Files kept for reuse; None when recycling is off.
+    pool: Option<Mutex<Pool>>,
+    /// The directory is on a tmpfs: reused files are written through a
+    /// mapping (see `overwrite`).
+    tmpfs: bool,
+}
+
+/// A copying read in progress: while it lives, removing the entry deletes
+/// its file instead of recycling it.
+pub struct EntryReader<'a> {
+    store: &'a FileStore,
+    name: String,
+    pub file: File,
+    pub size: u64,
+}
+
+impl Drop for EntryReader<'_> {
+    fn drop(&mut self) {
+        self.store.ledger().end_read(&self.name);
+    }
+}
+
+impl Drop for FileStore {
+    /// Delete the pooled files (entries' files stay, as they always have).
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            let mut pool = pool.lock().unwrap_or_else(|p| p.into_inner());
+            for path in pool.trim_to(0) {
+                let _ = fs::remove_file(path);
+            }
+        }
+    }
 }
 
 /// Reject anything that is not a plain, visible file name inside the directory.
@@ -132,7 +185,10 @@ fn open_nofollow_read(path: &Path) -> io::Result<File> {
 }
 
 /// `writev` until every byte of `slices` is written.
-fn write_all_vectored(file: &mut File, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+pub(crate) fn write_all_vectored(
+    file: &mut File,
+    mut slices: &mut [IoSlice<'_>],
+) -> io::Result<()> {
     while !slices.is_empty() {
         let batch = slices.len().min(IOV_MAX);
         match file.write_vectored(&slices[..batch]) {
@@ -147,13 +203,43 @@ fn write_all_vectored(file: &mut File, mut slices: &mut [IoSlice<'_>]) -> io::Re
 
 impl FileStore {
     pub fn open(dir: impl Into<PathBuf>) -> io::Result<FileStore> {
+        Self::open_recycling(dir, 0)
+    }
+
+    /// Open a store that keeps up to `recycle_bytes` bytes of removed
+    /// entries' files for reuse (0: never). Only for stores whose files are
+    /// read by copying: see the module documentation.
+    pub fn open_recycling(dir: impl Into<PathBuf>, recycle_bytes: u64) -> io::Result<FileStore> {
         let dir = dir.into();
         prepare_directory(&dir)?;
+        let id = STORE_IDS.fetch_add(1, Ordering::Relaxed);
         Ok(FileStore {
-            dir,
             ledger: Mutex::new(Ledger::new()),
             counter: AtomicU64::new(0),
+            tag: format!("{}-{id}", std::process::id()),
+            pool: (recycle_bytes > 0).then(|| {
+                Mutex::new(Pool {
+                    cap: recycle_bytes,
+                    ..Pool::default()
+                })
+            }),
+            tmpfs: recycle_bytes > 0 && on_tmpfs(&dir),
+            dir,
         })
+    }
+
+    /// Files held for reuse and their bytes.
+    pub fn pooled(&self) -> (usize, u64) {
+        match self.pool() {
+            Some(pool) => (pool.files.len(), pool.bytes),
+            None => (0, 0),
+        }
+    }
+
+    fn pool(&self) -> Option<MutexGuard<'_, Pool>> {
+        // Poisoning is ignored for the same reason as the ledger's.
+        let pool = self.pool.as_ref()?;
+        Some(pool.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub fn directory(&self) -> &Path {
@@ -187,7 +273,7 @@ impl FileStore {
         if !self.ledger().try_reserve(disk, max_disk) {
             return Ok(PutOutcome::OverCapacity);
         }
-        match self.write_new_file(stem, frames, &layout) {
+        match self.write_new_file(stem, frames, &layout, max_disk) {
             Ok(name) => {
                 self.ledger().commit(&name, Sizes { memory, disk });
                 Ok(PutOutcome::Stored { name, disk })
@@ -199,33 +285,144 @@ impl FileStore {
         }
     }
 
-    fn write_new_file(&self, stem: &str, frames: &[&[u8]], layout: &Layout) -> io::Result<String> {
+    fn write_new_file(
+        &self,
+        stem: &str,
+        frames: &[&[u8]],
+        layout: &Layout,
+        max_disk: Option<u64>,
+    ) -> io::Result<String> {
+        let header = layout.header_bytes();
+        let pads = layout.padding();
+        let mut slices = Vec::with_capacity(2 * frames.len() + 2);
+        slices.push(IoSlice::new(&header));
+        slices.push(IoSlice::new(&ZEROS[..pads[0] as usize]));
+        for (frame, &pad) in frames.iter().zip(&pads[1..]) {
+            slices.push(IoSlice::new(frame));
+            if pad > 0 {
+                slices.push(IoSlice::new(&ZEROS[..pad as usize]));
+            }
+        }
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.dir.join(format!(".tmp-{}-{n}", std::process::id()));
+        let tmp = self.dir.join(format!(".tmp-{}-{n}", self.tag));
+        let recycled = self.take_pooled(&tmp, layout.file_size);
+        self.trim_pool(max_disk);
+        if let Some((mut file, meta)) = recycled {
+            // `overwrite` advances the slices it is given: keep the originals
+            // for a fresh write if it fails.
+            match overwrite(
+                &mut file,
+                &meta,
+                layout.file_size,
+                &mut slices.clone(),
+                self.tmpfs,
+            ) {
+                Ok(()) => {
+                    drop(file);
+                    return self.publish_tmp(&tmp, stem, n);
+                }
+                // Give the pooled file up and write a fresh one.
+                Err(_) => {
+                    drop(file);
+                    let _ = fs::remove_file(&tmp);
+                }
+            }
+        }
         let mut file = OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)?;
-        let result = (|| {
-            let header = layout.header_bytes();
-            let pads = layout.padding();
-            let mut slices = Vec::with_capacity(2 * frames.len() + 2);
-            slices.push(IoSlice::new(&header));
-            slices.push(IoSlice::new(&ZEROS[..pads[0] as usize]));
-            for (frame, &pad) in frames.iter().zip(&pads[1..]) {
-                slices.push(IoSlice::new(frame));
-                if pad > 0 {
-                    slices.push(IoSlice::new(&ZEROS[..pad as usize]));
-                }
+        match write_all_vectored(&mut file, &mut slices) {
+            Ok(()) => {
+                drop(file);
+                self.publish_tmp(&tmp, stem, n)
             }
-            write_all_vectored(&mut file, &mut slices)?;
-            drop(file);
-            self.publish(&tmp, stem, n)
-        })();
-        let _ = fs::remove_file(&tmp);
+            Err(e) => {
+                drop(file);
+                let _ = fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    }
+
+    /// Publish the written temporary file and remove its temporary name.
+    fn publish_tmp(&self, tmp: &Path, stem: &str, n: u64) -> io::Result<String> {
+        let result = self.publish(tmp, stem, n);
+        let _ = fs::remove_file(tmp);
         result
+    }
+
+    /// Move a pooled file suited to `need` bytes to the temporary name `tmp`
+    /// and open it for overwriting; returns it with its metadata. None
+    /// when recycling is off, nothing suits, or the pooled file is not fit
+    /// for reuse (it is then deleted).
+    fn take_pooled(&self, tmp: &Path, need: u64) -> Option<(File, fs::Metadata)> {
+        let (_, path) = self.pool()?.take(need)?;
+        if fs::rename(&path, tmp).is_err() {
+            let _ = fs::remove_file(&path);
+            return None;
+        }
+        match open_recycled(tmp) {
+            Ok(opened) => Some(opened),
+            Err(_) => {
+                let _ = fs::remove_file(tmp);
+                None
+            }
+        }
+    }
+
+    /// With a `max_disk` limit, delete pooled files (largest first) so that
+    /// the directory (entries, writes in flight, pool) stays within it.
+    fn trim_pool(&self, max_disk: Option<u64>) {
+        let Some(max) = max_disk else { return };
+        if self.pool.is_none() {
+            return;
+        }
+        let used = {
+            let ledger = self.ledger();
+            ledger.total().disk + ledger.reserved_disk()
+        };
+        let victims = match self.pool() {
+            Some(mut pool) => pool.trim_to(max.saturating_sub(used)),
+            None => return,
+        };
+        for path in victims {
+            let _ = fs::remove_file(path);
+        }
+    }
+
+    /// Keep the file of a removed entry for reuse if it is still our private
+    /// regular file and the pool has room; false if it was not kept (the
+    /// caller deletes it).
+    fn recycle(&self, path: &Path) -> bool {
+        let Ok(meta) = fs::symlink_metadata(path) else {
+            return false;
+        };
+        let size = meta.len();
+        if !meta.file_type().is_file() || meta.nlink() != 1 || size < MIN_RECYCLE {
+            return false;
+        }
+        if !self.pool().is_some_and(|mut pool| pool.admit(size)) {
+            return false;
+        }
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let dest = self.dir.join(format!(".pool-{}-{n}", self.tag));
+        match fs::rename(path, &dest) {
+            Ok(()) => {
+                if let Some(mut pool) = self.pool() {
+                    pool.insert(size, n, dest);
+                }
+                true
+            }
+            Err(_) => {
+                if let Some(mut pool) = self.pool() {
+                    pool.cancel(size);
+                }
+                false
+            }
+        }
     }
 
     /// Give the completed temporary file its final name without ever
@@ -326,12 +523,25 @@ impl FileStore {
         }
     }
 
-    /// Open a known entry for a copying read; returns the file and its size.
-    pub fn open_entry(&self, name: &str) -> Result<(File, u64), StoreError> {
+    /// Open a known entry for a copying read, counted as in progress until
+    /// the returned reader is dropped.
+    pub fn open_entry(&self, name: &str) -> Result<EntryReader<'_>, StoreError> {
         self.check_known(name)?;
         let file = open_nofollow_read(&self.path_of(name))?;
-        let size = file.metadata()?.len();
-        Ok((file, size))
+        // Counted only once the file is open, and only if the entry still
+        // exists then: a removal in between could have recycled the file.
+        if !self.ledger().begin_read(name) {
+            return Err(StoreError::Missing(name.to_owned()));
+        }
+        let mut reader = EntryReader {
+            store: self,
+            name: name.to_owned(),
+            file,
+            size: 0,
+        };
+        // An error here drops `reader`, which ends the read.
+        reader.size = reader.file.metadata()?.len();
+        Ok(reader)
     }
 
     /// Read exactly `buf.len()` bytes of `file` into `buf` and parse the layout.
@@ -364,7 +574,14 @@ impl FileStore {
     /// Map a known entry copy-on-write (MAP_PRIVATE, readable and writable):
     /// writes through the mapping never reach the file.
     pub fn map(&self, name: &str) -> Result<(MmapMut, Layout), StoreError> {
-        self.check_known(name)?;
+        if self.pool.is_some() {
+            // The mapping may outlive the entry: its file must never be reused.
+            if !self.ledger().pin(name) {
+                return Err(StoreError::Missing(name.to_owned()));
+            }
+        } else {
+            self.check_known(name)?;
+        }
         let file = open_nofollow_read(&self.path_of(name))?;
         let size = file.metadata()?.len();
         if size < 16 {
@@ -379,19 +596,24 @@ impl FileStore {
         Ok((map, layout))
     }
 
-    /// Remove an entry from the ledger and its file from the directory.
-    /// A file that is already gone is not an error; returns the sizes
-    /// that were accounted, or None for an unknown name.
+    /// Remove an entry from the ledger and its file from the directory
+    /// (recycling keeps the file under a pool name if it may). A file that is
+    /// already gone is not an error; returns the sizes that were accounted,
+    /// or None for an unknown name.
     pub fn remove(&self, name: &str) -> io::Result<Option<Sizes>> {
-        let sizes = self.ledger().remove(name);
-        if sizes.is_some() {
-            match fs::remove_file(self.path_of(name)) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e),
-            }
+        let Some((sizes, private)) = self.ledger().remove_entry(name) else {
+            return Ok(None);
+        };
+        let path = self.path_of(name);
+        if private && self.pool.is_some() && self.recycle(&path) {
+            return Ok(Some(sizes));
         }
-        Ok(sizes)
+        match fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        Ok(Some(sizes))
     }
 
     /// Accounted sizes of one entry (disk split among hard links if shared).
@@ -446,9 +668,9 @@ mod tests {
     }
 
     fn read_back(store: &FileStore, name: &str) -> Vec<Vec<u8>> {
-        let (mut file, size) = store.open_entry(name).unwrap();
-        let mut buf = vec![0u8; size as usize];
-        let layout = store.read_into(name, &mut file, &mut buf).unwrap();
+        let mut reader = store.open_entry(name).unwrap();
+        let mut buf = vec![0u8; reader.size as usize];
+        let layout = store.read_into(name, &mut reader.file, &mut buf).unwrap();
         layout
             .frames
             .iter()
@@ -523,10 +745,10 @@ mod tests {
             .open(store.path_of(&name))
             .unwrap();
         f.set_len(disk - 10).unwrap();
-        let (mut file, size) = store.open_entry(&name).unwrap();
-        let mut buf = vec![0u8; size as usize];
+        let mut reader = store.open_entry(&name).unwrap();
+        let mut buf = vec![0u8; reader.size as usize];
         assert!(matches!(
-            store.read_into(&name, &mut file, &mut buf),
+            store.read_into(&name, &mut reader.file, &mut buf),
             Err(StoreError::Corrupt { .. })
         ));
         assert!(matches!(store.map(&name), Err(StoreError::Corrupt { .. })));
@@ -632,5 +854,358 @@ mod tests {
         a.remove(&name).unwrap();
         assert_eq!(b.total().disk, disk);
         assert_eq!(read_back(&b, &adopted), vec![vec![1u8; 1000]]);
+    }
+
+    // ---- recycling ----
+
+    const KIB: usize = 1024;
+
+    /// Directories to run recycling tests in: a disk directory (vectored
+    /// writes) and, when available, a tmpfs one (writes through a mapping).
+    fn recycle_dirs() -> Vec<tempfile::TempDir> {
+        let mut dirs = vec![tempfile::tempdir().unwrap()];
+        if let Ok(shm) = tempfile::tempdir_in("/dev/shm") {
+            if on_tmpfs(shm.path()) {
+                dirs.push(shm);
+            }
+        }
+        dirs
+    }
+
+    /// Frames of `len` payload bytes whose content depends on `seed`.
+    fn pattern(seed: u8, len: usize) -> Vec<Vec<u8>> {
+        let payload = (0..len)
+            .map(|i| (i as u8) ^ seed.wrapping_mul(31))
+            .collect();
+        vec![vec![seed; 7], payload]
+    }
+
+    fn put_frames(store: &FileStore, stem: &str, frames: &[Vec<u8>]) -> (String, u64) {
+        let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+        stored(store.put(stem, &refs, 1, None).unwrap())
+    }
+
+    /// Names in the store's directory: (entries, hidden pool files, other hidden).
+    fn listing(store: &FileStore) -> (Vec<String>, Vec<String>, Vec<String>) {
+        let (mut entries, mut pool, mut other) = (vec![], vec![], vec![]);
+        for e in fs::read_dir(store.directory()).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            if name.starts_with(".pool-") {
+                pool.push(name);
+            } else if name.starts_with('.') {
+                other.push(name);
+            } else {
+                entries.push(name);
+            }
+        }
+        entries.sort();
+        (entries, pool, other)
+    }
+
+    fn only_pool_file(store: &FileStore) -> PathBuf {
+        let (_, pool, _) = listing(store);
+        assert_eq!(pool.len(), 1, "{pool:?}");
+        store.directory().join(&pool[0])
+    }
+
+    #[test]
+    fn pool_takes_the_best_fit_or_extends_the_largest_smaller_file() {
+        let mut pool = Pool {
+            cap: 1 << 30,
+            ..Pool::default()
+        };
+        for (n, size) in [(0, 100), (1, 300), (2, 1000)] {
+            assert!(pool.admit(size));
+            pool.insert(size, n, PathBuf::from(format!("p{n}")));
+        }
+        // smallest that holds it, at most twice as large
+        assert_eq!(pool.take(250), Some((300, PathBuf::from("p1"))));
+        // 1000 is more than twice 400: extend the largest smaller one
+        assert_eq!(pool.take(400), Some((100, PathBuf::from("p0"))));
+        // nothing smaller left, and 1000 > 2 * 50
+        assert_eq!(pool.take(50), None);
+        assert_eq!(pool.take(600), Some((1000, PathBuf::from("p2"))));
+        assert_eq!(pool.bytes, 0);
+        assert!(pool.take(1).is_none());
+        // admissions count against the cap before the file is inserted
+        pool.cap = 500;
+        assert!(pool.admit(300));
+        assert!(!pool.admit(300));
+        pool.cancel(300);
+        assert!(pool.admit(500));
+    }
+
+    #[test]
+    fn recycled_files_read_back_correctly_through_many_cycles() {
+        for dir in recycle_dirs() {
+            let store = FileStore::open_recycling(dir.path().join("s"), 64 << 20).unwrap();
+            // bigger and smaller than the file that is in the pool each time
+            let sizes = [
+                600 * KIB,
+                300 * KIB,
+                2048 * KIB,
+                1000 * KIB,
+                1001 * KIB,
+                4096 * KIB,
+                257 * KIB,
+                3000 * KIB,
+                100 * KIB,
+                700 * KIB,
+            ];
+            let mut live: Vec<(String, Vec<Vec<u8>>)> = Vec::new();
+            for round in 0..60usize {
+                let frames = pattern(round as u8, sizes[round % sizes.len()] + round);
+                let (name, disk) = put_frames(&store, &format!("k{round}"), &frames);
+                assert_eq!(fs::metadata(store.path_of(&name)).unwrap().len(), disk);
+                live.push((name, frames));
+                if live.len() > 2 {
+                    let (old, frames) = live.remove(round % 3 % live.len());
+                    assert_eq!(read_back(&store, &old), frames);
+                    store.remove(&old).unwrap().unwrap();
+                }
+                for (name, frames) in &live {
+                    assert_eq!(&read_back(&store, name), frames, "{}", dir.path().display());
+                }
+                // pool files are not entries
+                let (entries, pool, other) = listing(&store);
+                let mut names = store.names();
+                names.sort();
+                assert_eq!(entries, names);
+                assert_eq!(pool.len(), store.pooled().0);
+                assert!(other.is_empty(), "{other:?}");
+                let on_disk: u64 = names
+                    .iter()
+                    .map(|n| fs::metadata(store.path_of(n)).unwrap().len())
+                    .sum();
+                assert_eq!(store.total().disk, on_disk);
+            }
+            assert!(store.pooled().0 > 0);
+            for (name, _) in live {
+                store.remove(&name).unwrap();
+            }
+            let dir_path = store.directory().to_path_buf();
+            drop(store);
+            // dropping the store deletes the pool; no entries were left
+            assert_eq!(fs::read_dir(&dir_path).unwrap().count(), 0);
+        }
+    }
+
+    #[test]
+    fn pool_is_bounded_and_small_files_are_not_kept() {
+        for dir in recycle_dirs() {
+            let store = FileStore::open_recycling(dir.path(), 1 << 20).unwrap();
+            let names: Vec<String> = (0..4)
+                .map(|i| put_frames(&store, &format!("b{i}"), &pattern(i, 400 * KIB)).0)
+                .collect();
+            let (small, _) = put_frames(&store, "small", &pattern(9, 10 * KIB));
+            for name in names.iter().chain([&small]) {
+                store.remove(name).unwrap();
+            }
+            // two 400 KiB files fit in 1 MiB, a third does not; the small one is deleted
+            let (count, bytes) = store.pooled();
+            assert_eq!(count, 2);
+            assert!(bytes <= 1 << 20);
+            let (entries, pool, _) = listing(&store);
+            assert!(entries.is_empty());
+            assert_eq!(pool.len(), 2);
+            assert_eq!(store.total(), Sizes::default());
+            assert!(store.names().is_empty());
+        }
+    }
+
+    #[test]
+    fn stores_without_recycling_delete_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = FileStore::open(tmp.path()).unwrap();
+        let (name, _) = put_frames(&store, "a", &pattern(1, 1 << 20));
+        store.remove(&name).unwrap();
+        assert_eq!(store.pooled(), (0, 0));
+        assert_eq!(fs::read_dir(tmp.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn max_disk_counts_the_pool() {
+        for dir in recycle_dirs() {
+            let store = FileStore::open_recycling(dir.path(), 64 << 20).unwrap();
+            let names: Vec<String> = (0..3)
+                .map(|i| put_frames(&store, &format!("p{i}"), &pattern(i, 400 * KIB)).0)
+                .collect();
+            for name in &names {
+                store.remove(name).unwrap();
+            }
+            assert_eq!(store.pooled().0, 3);
+            let limit = 1000 * KIB as u64;
+            let data = vec![5u8; 900 * KIB];
+            let (name, disk) = stored(store.put("big", &[&data], 1, Some(limit)).unwrap());
+            let dir_bytes: u64 = fs::read_dir(store.directory())
+                .unwrap()
+                .map(|e| e.unwrap().metadata().unwrap().len())
+                .sum();
+            assert!(dir_bytes <= limit, "{dir_bytes} > {limit}");
+            assert_eq!(store.total().disk, disk);
+            assert_eq!(read_back(&store, &name), vec![data]);
+        }
+    }
+
+    #[test]
+    fn mapped_entries_are_never_recycled() {
+        for dir in recycle_dirs() {
+            let store = FileStore::open_recycling(dir.path(), 64 << 20).unwrap();
+            let frames = pattern(3, 1 << 20);
+            let (name, _) = put_frames(&store, "m", &frames);
+            let (map, layout) = store.map(&name).unwrap();
+            store.remove(&name).unwrap();
+            assert_eq!(store.pooled(), (0, 0));
+            for i in 0..4 {
+                let (other, _) = put_frames(&store, &format!("o{i}"), &pattern(i + 10, 1 << 20));
+                store.remove(&other).unwrap();
+            }
+            let (off, len) = layout.frames[1];
+            assert_eq!(&map[off as usize..(off + len) as usize], &frames[1][..]);
+        }
+    }
+
+    #[test]
+    fn shared_linked_and_busy_files_are_never_recycled() {
+        for dir in recycle_dirs() {
+            let store = FileStore::open_recycling(dir.path().join("s"), 64 << 20).unwrap();
+            let out = dir.path().join("out");
+            prepare_directory(&out).unwrap();
+            // handed out to a peer (even once the handle is gone again)
+            let (shared, _) = put_frames(&store, "shared", &pattern(1, 1 << 20));
+            let handle = store.link_out(&shared, &out).unwrap();
+            fs::remove_file(handle).unwrap();
+            store.remove(&shared).unwrap();
+            // hard-linked behind our back
+            let (linked, _) = put_frames(&store, "linked", &pattern(2, 1 << 20));
+            let other = out.join("other");
+            fs::hard_link(store.path_of(&linked), &other).unwrap();
+            store.remove(&linked).unwrap();
+            // removed while a copying read is in progress
+            let (busy, _) = put_frames(&store, "busy", &pattern(3, 1 << 20));
+            let reader = store.open_entry(&busy).unwrap();
+            store.remove(&busy).unwrap();
+            assert_eq!(store.pooled(), (0, 0));
+            drop(reader);
+            // the ended read does not keep later files from the pool
+            let (plain, _) = put_frames(&store, "plain", &pattern(4, 1 << 20));
+            store.remove(&plain).unwrap();
+            assert_eq!(store.pooled().0, 1);
+            assert_eq!(fs::read(&other).unwrap().len() as u64, {
+                let frames = pattern(2, 1 << 20);
+                let lengths: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+                Layout::for_lengths(&lengths).file_size
+            });
+        }
+    }
+
+    #[test]
+    fn a_read_in_progress_keeps_its_bytes() {
+        for dir in recycle_dirs() {
+            let store = FileStore::open_recycling(dir.path(), 64 << 20).unwrap();
+            let frames = pattern(7, 1 << 20);
+            let (name, _) = put_frames(&store, "r", &frames);
+            let mut reader = store.open_entry(&name).unwrap();
+            store.remove(&name).unwrap();
+            let (next, _) = put_frames(&store, "w", &pattern(8, 1 << 20));
+            let mut buf = vec![0u8; reader.size as usize];
+            reader.file.read_exact(&mut buf).unwrap();
+            let layout = format::parse_layout(&buf, buf.len() as u64).unwrap();
+            let (off, len) = layout.frames[1];
+            assert_eq!(&buf[off as usize..(off + len) as usize], &frames[1][..]);
+            assert!(read_back(&store, &next)[0] == vec![8u8; 7]);
+        }
+    }
+
+    #[test]
+    fn truncated_or_holed_pool_files_are_rewritten_whole() {
+        for dir in recycle_dirs() {
+            let store = FileStore::open_recycling(dir.path(), 64 << 20).unwrap();
+            for (i, cut) in [(0u8, 1000u64), (1, 0), (2, 5000)].into_iter() {
+                let (name, _) = put_frames(&store, &format!("t{i}"), &pattern(i, 1 << 20));
+                store.remove(&name).unwrap();
+                let pooled = only_pool_file(&store);
+                let f = OpenOptions::new().write(true).open(&pooled).unwrap();
+                f.set_len(cut).unwrap();
+                if i == 2 {
+                    // back to full size, with a hole: never written through a mapping
+                    f.set_len(2 << 20).unwrap();
+                }
+                drop(f);
+                let frames = pattern(i + 100, 1 << 20);
+                let (name, disk) = put_frames(&store, &format!("u{i}"), &frames);
+                assert_eq!(fs::metadata(store.path_of(&name)).unwrap().len(), disk);
+                assert_eq!(read_back(&store, &name), frames);
+                store.remove(&name).unwrap();
+                // only the file just removed is pooled: the cut one was reused
+                only_pool_file(&store);
+                // start the next case from an empty pool
+                fs::remove_file(only_pool_file(&store)).unwrap();
+                store.pool().unwrap().trim_to(0);
+            }
+        }
+    }
+
+    #[test]
+    fn a_pool_file_replaced_by_a_symlink_is_not_followed() {
+        for dir in recycle_dirs() {
+            let store = FileStore::open_recycling(dir.path().join("s"), 64 << 20).unwrap();
+            let victim = dir.path().join("victim");
+            fs::write(&victim, vec![1u8; 2 << 20]).unwrap();
+            let (name, _) = put_frames(&store, "a", &pattern(1, 1 << 20));
+            store.remove(&name).unwrap();
+            let pooled = only_pool_file(&store);
+            fs::remove_file(&pooled).unwrap();
+            std::os::unix::fs::symlink(&victim, &pooled).unwrap();
+            let frames = pattern(2, 1 << 20);
+            let (name, _) = put_frames(&store, "b", &frames);
+            assert_eq!(read_back(&store, &name), frames);
+            assert!(!fs::symlink_metadata(store.path_of(&name))
+                .unwrap()
+                .file_type()
+                .is_symlink());
+            assert_eq!(fs::read(&victim).unwrap(), vec![1u8; 2 << 20]);
+            // the symlink was given up, not kept
+            let (entries, pool, other) = listing(&store);
+            assert_eq!(entries, vec![name]);
+            assert!(pool.is_empty() && other.is_empty());
+            assert_eq!(store.pooled(), (0, 0));
+        }
+    }
+
+    #[test]
+    fn concurrent_recycling_keeps_values_and_totals() {
+        for dir in recycle_dirs() {
+            let store = Arc::new(FileStore::open_recycling(dir.path(), 8 << 20).unwrap());
+            let handles: Vec<_> = (0..4u8)
+                .map(|t| {
+                    let store = Arc::clone(&store);
+                    std::thread::spawn(move || {
+                        let mut kept = Vec::new();
+                        for i in 0..40usize {
+                            let frames = pattern(t * 50 + i as u8, 256 * KIB + (i % 7) * 100 * KIB);
+                            let (name, _) = put_frames(&store, &format!("k{t}-{i}"), &frames);
+                            assert_eq!(read_back(&store, &name), frames);
+                            if i % 3 == 0 {
+                                kept.push((name, frames));
+                            } else {
+                                store.remove(&name).unwrap();
+                            }
+                        }
+                        for (name, frames) in &kept {
+                            assert_eq!(&read_back(&store, name), frames);
+                        }
+                        kept.len()
+                    })
+                })
+                .collect();
+            let kept: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+            assert_eq!(store.len(), kept);
+            let (entries, pool, other) = listing(&store);
+            assert_eq!(entries.len(), kept);
+            assert_eq!(pool.len(), store.pooled().0);
+            assert!(store.pooled().1 <= 8 << 20);
+            assert!(other.is_empty());
+        }
     }
 }

@@ -38,9 +38,18 @@ class FileStore:
     created with O_EXCL|O_NOFOLLOW under a temporary name and published whole.
     """
 
-    def __init__(self, directory: str | PathLike[str]) -> None: ...
+    def __init__(self, directory: str | PathLike[str], recycle_bytes: int = 0) -> None:
+        """Open (creating it 0700) the directory. ``recycle_bytes`` > 0 keeps up
+        to that many bytes of removed entries' files (hidden ``.pool-*`` names,
+        not entries) for later puts to overwrite instead of creating new files.
+        Only files with one link, never shared, mapped or being read are kept.
+        Never use it for a store whose files anyone maps: overwriting a file
+        changes the pages a private mapping has not touched yet."""
     @property
     def directory(self) -> str: ...
+    @property
+    def pooled(self) -> tuple[int, int]:
+        """``(files, bytes)`` held for reuse; always ``(0, 0)`` without recycling."""
     def put(
         self,
         stem: str,
@@ -63,7 +72,8 @@ class FileStore:
     def read_mapped(self, name: str) -> list[memoryview]:
         """Frames of a file as writable, 64-byte-aligned views of a private mapping."""
     def delete(self, name: str) -> tuple[int, int] | None:
-        """Forget an entry and delete its file; ``(memory, disk)`` it had, or None."""
+        """Forget an entry and delete (or, recycling, pool) its file;
+        ``(memory, disk)`` it had, or None."""
     def sizes(self, name: str) -> tuple[int, int]:
         """``(memory, disk)`` of one entry; KeyError if unknown."""
     def total(self) -> tuple[int, int]:

@@ -44,6 +44,26 @@ def enabled(switch: str) -> bool:
     return value
 
 
+def spill_recycle_bytes() -> int:
+    """``shm.spill-recycle-bytes`` in bytes.
+
+    Raises ValueError naming the key and the accepted values.
+    """
+    raw = dask.config.get("shm.spill-recycle-bytes", default=DEFAULTS["shm"]["spill-recycle-bytes"])
+    try:
+        if isinstance(raw, bool):
+            raise TypeError
+        value = parse_bytes(raw)
+        if value < 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(
+            "config shm.spill-recycle-bytes must be a byte size such as '256 MiB' or 0 "
+            f"(no recycling); got {raw!r}"
+        ) from None
+    return int(value)
+
+
 @dataclass(frozen=True)
 class SharedMemorySettings:
     """Validated ``shm.shared-memory.*`` config."""
