@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal, NoReturn, cast
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, cast
 
 import zict
 from dask.typing import Key
@@ -34,6 +36,28 @@ class _Handled(Exception):
 
 def _in_memory_weight(key: Key, value: object) -> int:
     return safe_sizeof(value)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _serialized(method: F) -> F:
+    """Run ``method`` holding the buffer's operation lock.
+
+    zict.Buffer releases its own lock while it reads or writes the slow
+    store, so an eviction in one thread can interleave with a write or read
+    of the same key in another and lose the key or return a superseded value
+    (stock's SpillBuffer has the same race). Public operations of this buffer
+    run one at a time instead: in a worker they come almost only from the
+    event loop thread, so nothing is lost by it.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: SpillBuffer, *args: Any, **kwargs: Any) -> Any:
+        with self._operation_lock:
+            return method(self, *args, **kwargs)
+
+    return cast(F, wrapper)
 
 
 class SpillBuffer(zict.Buffer[Key, object]):
@@ -96,6 +120,7 @@ class SpillBuffer(zict.Buffer[Key, object]):
         memmap: bool = False,
         shared: bool = False,
     ):
+        self._operation_lock = threading.RLock()
         self.cumulative_metrics = defaultdict(float)
         self.logged_pickle_errors = set()
         #: shared mode: transfers by hard link and their fallbacks
@@ -140,6 +165,7 @@ class SpillBuffer(zict.Buffer[Key, object]):
         logger.error("Spill to disk failed; keeping data in memory", exc_info=e)
         raise _Handled() from e
 
+    @_serialized
     def __setitem__(self, key: Key, value: object) -> None:
         """Store ``value`` in memory, or on disk if it alone exceeds ``target``;
         older values may spill as a result.
@@ -164,6 +190,7 @@ class SpillBuffer(zict.Buffer[Key, object]):
             except _Handled:
                 pass
 
+    @_serialized
     def evict(self) -> int:
         """Spill the least recently used value, even below target.
 
@@ -184,14 +211,21 @@ class SpillBuffer(zict.Buffer[Key, object]):
                 return -1
 
     def __getitem__(self, key: Key) -> object:
-        if key in self.fast:
-            # Counted here, not in fast.__getitem__, which also runs on eviction.
-            nbytes = self.fast.weights[key]
-            metrics = self.cumulative_metrics
-            metrics["memory-read", "count"] += 1
-            metrics["memory-read", "bytes"] += nbytes
-            context_meter.digest_metric("memory-read", 1, "count")
-            context_meter.digest_metric("memory-read", nbytes, "bytes")
+        with self._operation_lock:
+            fast = self.fast
+            if key in fast:
+                # Counted here, not in fast.__getitem__, which also runs on eviction.
+                nbytes = fast.weights[key]
+                metrics = self.cumulative_metrics
+                metrics["memory-read", "count"] += 1
+                metrics["memory-read", "bytes"] += nbytes
+                context_meter.digest_metric("memory-read", 1, "count")
+                context_meter.digest_metric("memory-read", nbytes, "bytes")
+                # Under the operation lock nothing can evict it meanwhile.
+                return fast[key]
+            return self._unspill(key)
+
+    def _unspill(self, key: Key) -> object:
         try:
             return super().__getitem__(key)
         except SpillFileError:
@@ -209,10 +243,17 @@ class SpillBuffer(zict.Buffer[Key, object]):
             return self.fast[key] if key in self.fast else self.slow[key]
 
     def __delitem__(self, key: Key) -> None:
-        super().__delitem__(key)
-        self.logged_pickle_errors.discard(key)
-        if self.shared:
-            self._shared_store.discard_retained(key)
+        with self._operation_lock:
+            # zict.Buffer.__delitem__ minus its lock and its bookkeeping of
+            # restores and evictions in flight: under the operation lock there
+            # are none.
+            try:
+                del self.fast[key]
+            except KeyError:
+                del self.slow[key]
+            self.logged_pickle_errors.discard(key)
+            if self.shared:
+                self._shared_store.discard_retained(key)
 
     def pop(self, key: Key, default: object = None) -> object:
         raise NotImplementedError(
@@ -321,6 +362,7 @@ class SpillBuffer(zict.Buffer[Key, object]):
             return 0
         return store.files.sizes(name)[1]
 
+    @_serialized
     def export(self, key: Key) -> Handle | None:
         """Shared mode: make sure ``key`` is in a file and return a handle for a
         peer on this host (a fresh hard link the caller deletes once the peer
