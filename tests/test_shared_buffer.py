@@ -174,8 +174,7 @@ def test_export_and_adopt_share_one_inode_and_split_accounting(root):
     np.testing.assert_array_equal(receiver["x"], np.arange(MB // 8, dtype=float))
 
 
-def forged_handles(root: str, genuine: Handle) -> dict[str, tuple[str, int]]:
-    outside = tempfile.mkdtemp(dir="/dev/shm", prefix="dask-shm-outside-")
+def forged_handles(root: str, genuine: Handle, outside: str) -> dict[str, tuple[str, int]]:
     stolen = os.path.join(outside, "copy")
     with open(genuine.path, "rb") as src, open(stolen, "wb") as dst:
         dst.write(src.read())
@@ -190,12 +189,22 @@ def forged_handles(root: str, genuine: Handle) -> dict[str, tuple[str, int]]:
     }
 
 
-def test_forged_handles_are_refused(root):
+def test_forged_handles_are_refused(root, tmp_path_factory):
+    outside = tempfile.mkdtemp(dir="/dev/shm", prefix="dask-shm-outside-")
+    try:
+        refuse_forgeries(root, outside)
+    finally:
+        import shutil
+
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+def refuse_forgeries(root: str, outside: str) -> None:
     sender = shared_buffer()
     sender["x"] = np.ones(MB // 8)
     genuine = sender.export("x")
     assert genuine is not None
-    for why, (path, size) in forged_handles(root, genuine).items():
+    for why, (path, size) in forged_handles(root, genuine, outside).items():
         with pytest.raises(ForgedHandleError, match="refused shared-memory handle"):
             transfer.receive(transfer.ShmHandle(path, size, MB, MB))
         with pytest.raises(ForgedHandleError):
