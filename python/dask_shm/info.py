@@ -33,7 +33,7 @@ import dask.config
 from dask.utils import format_bytes
 
 from dask_shm.config import DEFAULTS, SWITCHES, SharedMemorySettings, enabled
-from dask_shm.shared.paths import TMPFS_TYPES
+from dask_shm.shared.paths import TMPFS_TYPES, filesystem_of
 
 __all__ = [
     "PLUGIN_NAME",
@@ -142,38 +142,6 @@ class HostInfo:
 
 
 # --------------------------------------------------------------------- facts
-
-
-def _unescape_mount(text: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as \ooo.
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
-
-
-def filesystem_of(path: str, mounts: str = "/proc/mounts") -> tuple[str, str] | None:
-    """``(mount point, filesystem type)`` of the mount holding ``path``
-    (resolved with ``os.path.realpath``): the longest mount point in
-    ``mounts`` that is a prefix of it; of equal ones the last (the mount on
-    top). None if ``mounts`` cannot be read or nothing matches."""
-    target = os.path.realpath(path)
-    best: tuple[str, str] | None = None
-    try:
-        with open(mounts, encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.readlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount_point, fs_type = _unescape_mount(fields[1]), fields[2]
-        inside = (
-            mount_point == "/"
-            or target == mount_point
-            or target.startswith(mount_point.rstrip("/") + "/")
-        )
-        if inside and (best is None or len(mount_point) >= len(best[0])):
-            best = (mount_point, fs_type)
-    return best
 
 
 def _configured_root() -> str:

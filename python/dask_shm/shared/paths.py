@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -26,24 +27,43 @@ logger = logging.getLogger(__name__)
 TMPFS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 
+def _unescape_mount(text: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash as \ooo.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def filesystem_of(path: str, mounts: str = "/proc/mounts") -> tuple[str, str] | None:
+    """``(mount point, filesystem type)`` of the mount holding ``path``
+    (resolved with ``os.path.realpath``): the longest mount point in
+    ``mounts`` that is a prefix of it; of equal ones the last (the mount on
+    top). None if ``mounts`` cannot be read or nothing matches."""
+    target = os.path.realpath(path)
+    best: tuple[str, str] | None = None
+    try:
+        with open(mounts, encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount_point, fs_type = _unescape_mount(fields[1]), fields[2]
+        inside = (
+            mount_point == "/"
+            or target == mount_point
+            or target.startswith(mount_point.rstrip("/") + "/")
+        )
+        if inside and (best is None or len(mount_point) >= len(best[0])):
+            best = (mount_point, fs_type)
+    return best
+
+
 def filesystem_type(path: str) -> str | None:
     """Type of the file system holding ``path`` (from /proc/mounts), or None
     when it cannot be told (no /proc, path missing)."""
-    try:
-        real = os.path.realpath(path)
-        with open("/proc/mounts") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return None
-    best, fstype = "", None
-    for fields in mounts:
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, fstype = point, fields[2]
-    return fstype
+    mount = filesystem_of(path)
+    return None if mount is None else mount[1]
 
 
 class UnusableRoot(Exception):
