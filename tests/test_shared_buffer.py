@@ -159,7 +159,7 @@ def test_export_and_adopt_share_one_inode_and_split_accounting(root):
     handle = sender.export("x")
     assert handle is not None
     assert "x" not in sender.fast and "x" in sender.slow  # private copy dropped
-    value = transfer.receive(transfer.ShmHandle(*handle))
+    value = transfer.receive(handle)
     os.unlink(handle.path)  # what the sender does after the handshake
     receiver["x"] = value  # claims the received file
     assert receiver.fast.weights["x"] == 0
@@ -206,7 +206,7 @@ def refuse_forgeries(root: str, outside: str) -> None:
     assert genuine is not None
     for why, (path, size) in forged_handles(root, genuine, outside).items():
         with pytest.raises(ForgedHandleError, match="refused shared-memory handle"):
-            transfer.receive(transfer.ShmHandle(path, size, MB, MB))
+            transfer.receive(Handle(path, size, MB, MB))
         with pytest.raises(ForgedHandleError):
             read_peer_file(root, path, size)
         assert why  # each case refused

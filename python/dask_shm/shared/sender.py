@@ -4,7 +4,7 @@
 requester in the :class:`~dask_shm.shared.registry.PeerRegistry` (a worker on
 this host in shared-memory mode) the stock handler runs unchanged (throttling,
 accounting, the two-step handshake) over a comm proxy that, just before the
-message is written, swaps each value for a :class:`~dask_shm.shared.transfer.ShmHandle`
+message is written, swaps each value for a :class:`~dask_shm.shared.store.Handle`
 to a fresh hard link of its file. The links are deleted once the handshake is
 over (the receiver has linked the file by then) or the transfer failed. Values
 that cannot be handed over (not worth sharing, link failure) are sent as bytes.
@@ -22,7 +22,6 @@ from distributed.metrics import context_meter
 from distributed.protocol.serialize import Serialize, to_serialize
 
 from dask_shm.shared.registry import PeerRegistry
-from dask_shm.shared.transfer import ShmHandle
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -65,9 +64,7 @@ class _HandleSwappingComm:
             counters["link_bytes"] += handle.size
             context_meter.digest_metric("shm-send-link", 1, "count")
             context_meter.digest_metric("shm-send-link", handle.size, "bytes")
-            out[key] = to_serialize(
-                ShmHandle(handle.path, handle.size, handle.memory, handle.shareable)
-            )
+            out[key] = to_serialize(handle)
         return out
 
     def delete_links(self) -> None:

@@ -24,7 +24,7 @@ import os
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import msgpack
 from dask.typing import Key
@@ -55,8 +55,13 @@ class Retained:
     shareable: int
 
 
-class Handle(NamedTuple):
-    """What a peer needs to take over a file: where it is and how big."""
+@dataclass(frozen=True)
+class Handle:
+    """What a peer needs to take over a file: ``path`` inside the
+    shared-memory root, ``size`` bytes; ``memory`` is the value's ``sizeof``
+    and ``shareable`` the bytes that live in the mapping once deserialized.
+    It travels in ``get_data`` replies as a few fields and no frames (see
+    :mod:`dask_shm.shared.transfer`)."""
 
     path: str
     size: int

@@ -1,7 +1,7 @@
 """Hard-link handles on the wire, and the receiving side of a transfer.
 
 A worker answering ``get_data`` for a peer on the same host replaces each
-value by a :class:`ShmHandle` (see :mod:`dask_shm.shared.sender`). The handle
+value by a :class:`~dask_shm.shared.store.Handle` (see :mod:`dask_shm.shared.sender`). The handle
 serializes as a few fields and no frames. Deserializing it in the receiving
 process validates the file it names (:class:`~dask_shm._core.ForgedHandleError`
 if it fails: nothing is linked or mapped), links the file into this process's
@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distributed.metrics import context_meter
@@ -42,20 +42,8 @@ UNCLAIMED_TTL = 60.0
 receive_counters: defaultdict[str, int] = defaultdict(int)
 
 
-@dataclass(frozen=True)
-class ShmHandle:
-    """A file a peer may take over: ``path`` inside the shared-memory root,
-    ``size`` bytes; ``memory`` is the value's ``sizeof`` and ``shareable``
-    the bytes that live in the mapping once deserialized."""
-
-    path: str
-    size: int
-    memory: int
-    shareable: int
-
-
-@dask_serialize.register(ShmHandle)
-def _serialize_handle(handle: ShmHandle) -> tuple[dict[str, Any], list]:
+@dask_serialize.register(Handle)
+def _serialize_handle(handle: Handle) -> tuple[dict[str, Any], list]:
     return {
         "path": handle.path,
         "size": handle.size,
@@ -64,10 +52,10 @@ def _serialize_handle(handle: ShmHandle) -> tuple[dict[str, Any], list]:
     }, []
 
 
-@dask_deserialize.register(ShmHandle)
+@dask_deserialize.register(Handle)
 def _deserialize_handle(header: dict[str, Any], frames: list) -> object:
     try:
-        handle = ShmHandle(
+        handle = Handle(
             str(header["path"]),
             int(header["size"]),
             int(header["memory"]),
@@ -143,7 +131,7 @@ def claim(value: object) -> Received | None:
     return _incoming.claim(value)
 
 
-def receive(handle: ShmHandle) -> object:
+def receive(handle: Handle) -> object:
     """Turn a validated handle into the value it names (see module docstring).
 
     Raises ForgedHandleError for a handle that fails validation, and
@@ -185,6 +173,6 @@ def receive(handle: ShmHandle) -> object:
     receive_counters["linked_bytes"] += handle.size
     context_meter.digest_metric("shm-receive-link", 1, "count")
     context_meter.digest_metric("shm-receive-link", handle.size, "bytes")
-    shared = Handle(str(incoming.path(name)), handle.size, handle.memory, handle.shareable)
+    shared = replace(handle, path=str(incoming.path(name)))
     _incoming.add(Received(value, incoming, name, shared))
     return value
