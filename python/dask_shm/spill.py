@@ -126,7 +126,9 @@ class SpillBuffer(zict.Buffer[Key, object]):
         #: shared mode: transfers by hard link and their fallbacks
         self.shm_counters: defaultdict[str, int] = defaultdict(int)
         store = (
-            _shared_store(spill_directory, max_spill, self.cumulative_metrics) if shared else None
+            _open_shared_store(spill_directory, max_spill, self.cumulative_metrics)
+            if shared
+            else None
         )
         self.shared = store is not None
         if store is not None:
@@ -396,7 +398,7 @@ class SpillBuffer(zict.Buffer[Key, object]):
         return self._slow_uncached.total_weight
 
 
-def _shared_store(
+def _open_shared_store(
     spill_directory: str | None,
     max_spill: int | Literal[False],
     metrics: defaultdict[tuple[str, str], float],
