@@ -84,6 +84,9 @@ pub struct AmmRun {
     last_reject: i64,
     /// Accepted actions of a deferring bulk policy: (task, worker, is_drop).
     deferred: Vec<(Py<PyAny>, u32, bool)>,
+    /// Tasks a deferring bulk policy suggested something for that had no
+    /// `pending` entry (stock would have created one for each).
+    deferred_tasks: usize,
 }
 
 impl AmmRun {
@@ -233,6 +236,7 @@ impl AmmRun {
             index,
             last_reject: 0,
             deferred: Vec::new(),
+            deferred_tasks: 0,
         })
     }
 
@@ -254,6 +258,14 @@ impl AmmRun {
     #[getter]
     fn last_reject(&self) -> i64 {
         self.last_reject
+    }
+
+    /// Number of tasks a deferring bulk policy made suggestions for without
+    /// creating their `pending` entry: `len(pending) + deferred_tasks` is the
+    /// size stock's `pending` would have.
+    #[getter]
+    fn deferred_tasks(&self) -> usize {
+        self.deferred_tasks
     }
 
     /// Memory of `ws` downstream of accepted actions. Raises KeyError if unknown.
@@ -418,7 +430,10 @@ impl AmmRun {
             ndrop_total += ndrop;
             let drop_set = match existing {
                 Some(e) => Some(split_entry(&e)?.1),
-                None if defer => None,
+                None if defer => {
+                    self.deferred_tasks += 1;
+                    None
+                }
                 None => Some(entry(pending, &ts)?.1),
             };
             if n_holders == 0 || Self::is_actor(&ts)? {
@@ -490,6 +505,9 @@ impl AmmRun {
                 } else {
                     Some(entry(pending, &ts)?)
                 };
+                if found.is_none() {
+                    self.deferred_tasks += 1; // stock creates the entry here
+                }
                 dropping.clear();
                 if let Some((_, drop_set)) = &found {
                     self.positions_into(drop_set.as_any(), &mut dropping)?;
@@ -509,6 +527,7 @@ impl AmmRun {
                 known = Some(found);
             }
             nrepl += 1;
+            let counted = known.is_some(); // looked up (and counted) at the drop
             let repl_set = match known {
                 Some(found) => found.map(|e| e.0),
                 None if check_pending => match pending.get_item(&ts)? {
@@ -522,7 +541,12 @@ impl AmmRun {
             }
             let repl_set = match repl_set {
                 Some(set) => Some(set),
-                None if defer => None,
+                None if defer => {
+                    if !counted {
+                        self.deferred_tasks += 1;
+                    }
+                    None
+                }
                 None => Some(entry(pending, &ts)?.0),
             };
             if !Self::in_memory(&ts)? {

@@ -7,6 +7,8 @@ that every choice stock makes is unique. Decisions must be identical.
 
 from __future__ import annotations
 
+import io
+import logging
 import random
 from collections.abc import Iterator, MutableSet
 from typing import Any
@@ -309,3 +311,46 @@ def test_subclass_overriding_run_is_not_run_in_bulk() -> None:
     assert s.take() == set()
     make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()]).run_once()
     assert s.take() == {("drop", b.address, "x")}
+
+
+def amm_log(cls: type, s: FakeScheduler, make_policies, per_task: bool) -> list[str]:
+    """The lines one run logs on ``distributed.active_memory_manager`` (DEBUG), with
+    the per-task child logger at DEBUG or INFO; the per-worker enactment lines (whose
+    order follows set iteration in stock) sorted."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    main, tasks = stock.logger, stock.task_logger
+    saved = main.level, tasks.level, main.propagate
+    main.addHandler(handler)
+    main.setLevel(logging.DEBUG)
+    main.propagate = False
+    tasks.setLevel(logging.DEBUG if per_task else logging.INFO)
+    try:
+        make(cls, s, make_policies()).run_once()
+    finally:
+        main.removeHandler(handler)
+        main.setLevel(saved[0])
+        tasks.setLevel(saved[1])
+        main.propagate = saved[2]
+    s.take()
+    lines = [ln for ln in stream.getvalue().splitlines() if "run in" not in ln]
+    head = [ln for ln in lines if not ln.startswith("- ")]
+    return head + sorted(ln for ln in lines if ln.startswith("- "))
+
+
+@pytest.mark.parametrize("per_task", [True, False])
+@pytest.mark.parametrize("seed", range(15))
+def test_log_records_are_stocks(seed: int, per_task: bool) -> None:
+    """Same records, same messages, on stock's loggers, as the stock manager logs."""
+    rng = random.Random(seed)
+    s = random_state(rng, nworkers=rng.randint(2, 12), ntasks=rng.randint(1, 40))
+    retiring = rng.choice(list(s.workers.values())).address
+
+    def policies() -> list:
+        out = [stock.ReduceReplicas(), RandomPolicy(seed), stock.RetireWorker(retiring)]
+        return out[::-1] if seed % 2 else out  # each bulk policy runs last sometimes
+
+    want = amm_log(stock.ActiveMemoryManagerExtension, s, policies, per_task)
+    got = amm_log(ours.ActiveMemoryManagerExtension, s, policies, per_task)
+    assert got == want
+    assert any(ln.startswith("Running policy: ReduceReplicas()") for ln in got)

@@ -171,6 +171,10 @@ class AmmRun:
     def workers(self) -> list[Any]: ...
     @property
     def last_reject(self) -> int: ...
+    @property
+    def deferred_tasks(self) -> int:
+        """Tasks a deferring bulk policy suggested something for without creating
+        their ``pending`` entry (``len(pending) + deferred_tasks`` = stock's size)."""
     def memory(self, ws: Any) -> int:
         """Memory downstream of accepted actions; KeyError if ``ws`` is unknown."""
     def set_memory(self, ws: Any, value: int) -> None: ...

@@ -40,12 +40,16 @@ from distributed.utils import log_errors
 from dask_shm._core import AmmRun
 
 if TYPE_CHECKING:
-    from distributed.scheduler import WorkerState
+    from distributed.scheduler import TaskState, WorkerState
 
-logger = logging.getLogger("dask_shm.amm")
-task_logger = logging.getLogger("dask_shm.amm.tasks")
+#: Stock's loggers, with stock's messages: people configure exactly these to debug
+#: the AMM (``distributed.logging``), and distributed's own tests capture them.
+logger = stock.logger
+task_logger = stock.task_logger
 
 #: Reasons the Rust table gives for rejecting a suggestion (negated codes).
+REJECT_NOT_IN_MEMORY = 21
+REJECT_NO_REPLICAS = 23
 REJECTIONS = {
     1: "no running candidates",
     2: "all candidates already own a replica",
@@ -59,6 +63,21 @@ REJECTIONS = {
     22: "task is an actor",
     23: "task has no replicas",
 }
+
+
+def log_choice(
+    op: str, ts: TaskState, candidates: object, choice: WorkerState | None, reject: int
+) -> None:
+    """Stock's per-suggestion DEBUG record on ``distributed.active_memory_manager.tasks``."""
+    if choice is not None:
+        verb = "replicating to" if op == "replicate" else "dropping from"
+        task_logger.debug("(%s, %s, %s): %s %s", op, ts, candidates, verb, choice)
+    elif reject == REJECT_NOT_IN_MEMORY:
+        task_logger.debug("(%s, %s, %s) rejected: ts.state = %s", op, ts, candidates, ts.state)
+    elif reject in REJECTIONS and reject != REJECT_NO_REPLICAS:
+        task_logger.debug("(%s, %s, %s) rejected: %s", op, ts, candidates, REJECTIONS[reject])
+    # else: a drop of a task without replicas, which stock rejects silently
+
 
 Pending = tuple[set["WorkerState"], set["WorkerState"]]
 
@@ -112,6 +131,11 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
         """Run all policies once, then send the accepted replications and drops to the
         workers (fire and forget).
 
+        Logs what stock logs, on stock's loggers (``distributed.active_memory_manager``
+        and its ``.tasks`` child). While the per-task logger is enabled for DEBUG,
+        every policy goes through the generator protocol, so that each suggestion is
+        logged as stock logs it (slower, as stock is at that level).
+
         The cyclic garbage collector is paused for the duration of the run (the run
         allocates many short-lived containers and no cycles); it is re-enabled after,
         if it was enabled before.
@@ -150,9 +174,10 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
         from dask_shm.amm._bulk import bulk_runner
 
         policies = list(self.policies)  # a policy may remove itself
+        per_task_log = task_logger.isEnabledFor(logging.DEBUG)
         for i, policy in enumerate(policies):
             logger.debug("Running policy: %s", policy)
-            runner = bulk_runner(policy)
+            runner = None if per_task_log else bulk_runner(policy)
             if runner is not None:
                 # The last policy may leave new actions out of ``pending``: no other
                 # policy will look, and enactment reads them from the Rust run.
@@ -183,18 +208,17 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
                 choice = run.drop(ts, candidates, entry[1])
             else:
                 raise ValueError(f"Unknown op: {op!r}; expected 'replicate' or 'drop'")
-            if choice is None and task_logger.isEnabledFor(logging.DEBUG):
-                task_logger.debug(
-                    "(%s, %s, %s) rejected: %s",
-                    op,
-                    ts,
-                    candidates,
-                    REJECTIONS.get(run.last_reject, run.last_reject),
-                )
+            if task_logger.isEnabledFor(logging.DEBUG):
+                log_choice(op, ts, candidates, choice, run.last_reject)
 
     def _enact_suggestions(self) -> None:
-        """Send every accepted replication and drop in ``pending`` to its worker,
-        one message per worker and kind. Returns immediately."""
+        """Send every accepted replication and drop (in ``pending`` and deferred in
+        the Rust run) to its worker, one message per worker and kind. Returns
+        immediately. Nothing is logged when no task got a suggestion (as stock)."""
+        ntasks = len(self.pending) + self._run.deferred_tasks
+        if not ntasks:
+            return
+        logger.debug("Enacting suggestions for %d tasks:", ntasks)
         repl, drop = self._run.group_actions(self.pending, bool(self.scheduler.validate))
         stimulus_id = f"active_memory_manager-{time()}"
         for ws, keys in repl:
