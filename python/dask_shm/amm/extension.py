@@ -37,7 +37,7 @@ from distributed.core import Status
 from distributed.metrics import time
 from distributed.utils import log_errors
 
-from dask_shm._core import AmmRun
+from dask_shm._core import AMM_REJECTIONS, AmmRun, ReplicaTracker
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState, WorkerState
@@ -47,23 +47,6 @@ if TYPE_CHECKING:
 logger = stock.logger
 task_logger = stock.task_logger
 
-#: Reasons the Rust table gives for rejecting a suggestion (negated codes).
-REJECT_NOT_IN_MEMORY = 21
-REJECT_NO_REPLICAS = 23
-REJECTIONS = {
-    1: "no running candidates",
-    2: "all candidates already own a replica",
-    3: "already pending replication on all candidates",
-    11: "less than 2 replicas exist",
-    12: "no candidates suggested by the policy own a replica",
-    13: "already pending drop on all candidates",
-    14: "all candidates have dependent tasks queued or running on them",
-    15: "there is only one replica on workers that aren't paused or retiring",
-    21: "task is not in memory",
-    22: "task is an actor",
-    23: "task has no replicas",
-}
-
 
 def log_choice(
     op: str, ts: TaskState, candidates: object, choice: WorkerState | None, reject: int
@@ -72,11 +55,13 @@ def log_choice(
     if choice is not None:
         verb = "replicating to" if op == "replicate" else "dropping from"
         task_logger.debug("(%s, %s, %s): %s %s", op, ts, candidates, verb, choice)
-    elif reject == REJECT_NOT_IN_MEMORY:
-        task_logger.debug("(%s, %s, %s) rejected: ts.state = %s", op, ts, candidates, ts.state)
-    elif reject in REJECTIONS and reject != REJECT_NO_REPLICAS:
-        task_logger.debug("(%s, %s, %s) rejected: %s", op, ts, candidates, REJECTIONS[reject])
-    # else: a drop of a task without replicas, which stock rejects silently
+        return
+    # AMM_REJECTIONS (defined once, in rust/amm.rs): code -> stock's message, a
+    # str.format template over the task's state; empty where stock logs nothing.
+    message = AMM_REJECTIONS.get(reject)
+    if message:
+        message = message.format(state=ts.state)
+        task_logger.debug("(%s, %s, %s) rejected: %s", op, ts, candidates, message)
 
 
 Pending = tuple[set["WorkerState"], set["WorkerState"]]
@@ -125,6 +110,21 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
     workers_memory: WorkersMemory  # type: ignore[assignment]
     #: The run's Rust state; only exists within :meth:`run_once`.
     _run: AmmRun
+    #: What changed since the last ReduceReplicas run (None: not subscribed yet).
+    _tracker: ReplicaTracker | None = None
+    #: The scheduler cannot be hooked: ReduceReplicas scans everything every run.
+    _untrackable: bool = False
+
+    def _replica_tracker(self) -> ReplicaTracker | None:
+        """This manager's tracker of replica changes, subscribed to the scheduler's
+        hooks on first use; None if the scheduler cannot be hooked (then
+        ReduceReplicas scans every replicated task, as stock)."""
+        if self._tracker is None and not self._untrackable:
+            from dask_shm.amm.tracking import subscribe
+
+            self._tracker = subscribe(self.scheduler)
+            self._untrackable = self._tracker is None
+        return self._tracker
 
     @log_errors
     def run_once(self) -> None:
