@@ -595,7 +595,8 @@ pub fn retire_task(table: &mut WorkerTable, w: u32, task: &RetireRequest) -> Ret
 /// the same drops in every order, so stock's order (the iteration order of
 /// `scheduler.replicated_tasks`) need not be known.
 ///
-/// Tasks interact only through the memory of the workers they drop from. The
+/// Tasks interact only through the memory of the workers they may drop from
+/// (holders not pending a drop and without dependents processing there). The
 /// drops of one task are the top `ndrop` of its eligible holders by
 /// `(not running, memory)` at the time it runs; a later drop can lower a
 /// worker's memory by at most the sizes of the other tasks that may drop from
@@ -608,16 +609,21 @@ pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest]) -> bool {
     }
     // Upper bound of what other tasks may take off each worker.
     let mut exposure: std::collections::HashMap<u32, i64> = std::collections::HashMap::new();
+    let droppable = |task: &DropRequest, h: u32| {
+        !task.actor && !task.pending_drop.contains(&h) && !task.dependents.contains(&h)
+    };
     for task in tasks {
         for &h in &task.holders {
-            *exposure.entry(h).or_insert(0) += task.nbytes;
+            if droppable(task, h) {
+                *exposure.entry(h).or_insert(0) += task.nbytes;
+            }
         }
     }
     let mut cands: Vec<(bool, i64, i64, u32)> = Vec::new();
     for task in tasks {
         cands.clear();
         for &h in &task.holders {
-            if task.pending_drop.contains(&h) || task.dependents.contains(&h) {
+            if !droppable(task, h) {
                 continue;
             }
             let hi = table.memory(h);

@@ -75,8 +75,10 @@ fn len_or_zero(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
 
 /// Stock's `{waiter.processing_on or waiter for waiter in waiters}`, counted.
 fn waiter_places(waiters: &Bound<'_, PyAny>) -> PyResult<usize> {
+    // Only called below amm::MAX_COUNTED_WAITERS waiters: a stack array will do.
     let py = waiters.py();
-    let mut places: Vec<usize> = Vec::new();
+    let mut places = [0usize; amm::MAX_COUNTED_WAITERS];
+    let mut n = 0;
     for waiter in waiters.try_iter()? {
         let waiter = waiter?;
         let on = waiter.getattr(intern!(py, "processing_on"))?;
@@ -84,12 +86,18 @@ fn waiter_places(waiters: &Bound<'_, PyAny>) -> PyResult<usize> {
             on.as_ptr()
         } else {
             waiter.as_ptr()
-        };
-        places.push(id as usize);
+        } as usize;
+        if !places[..n].contains(&id) {
+            if n == places.len() {
+                return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                    "waiters changed size during the count",
+                ));
+            }
+            places[n] = id;
+            n += 1;
+        }
     }
-    places.sort_unstable();
-    places.dedup();
-    Ok(places.len())
+    Ok(n)
 }
 
 /// `amm::replicas_to_keep` over a Python `waiters` set (or None).
@@ -129,7 +137,7 @@ pub fn rejections(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 pub(crate) struct Evaluated<'py> {
     pub ts: Bound<'py, PyAny>,
     who_has: Bound<'py, PyAny>,
-    n_holders: i64,
+    pub n_holders: i64,
     /// Drops suggested ignoring this run's pending actions (> 0: over-replicated).
     pub base_excess: i64,
     existing: Option<Bound<'py, PyAny>>,
@@ -140,6 +148,8 @@ pub(crate) struct Evaluated<'py> {
 /// A task ReduceReplicas suggests drops for, with its inputs gathered.
 pub(crate) struct Prepared<'py> {
     pub ts: Bound<'py, PyAny>,
+    /// Drops suggested ignoring this run's pending actions.
+    pub base_excess: i64,
     drop_set: Option<Bound<'py, PySet>>,
     pub request: DropRequest,
     pub ndrop: i64,
@@ -338,6 +348,7 @@ impl AmmRun {
         }
         Ok(Prepared {
             ts: ev.ts,
+            base_excess: ev.base_excess,
             drop_set,
             request,
             ndrop: ev.ndrop,
@@ -345,11 +356,16 @@ impl AmmRun {
     }
 
     /// Decide a prepared task (`amm::reduce_task`) and record its drops.
-    pub(crate) fn decide(&mut self, task: &Prepared<'_>) -> PyResult<()> {
-        for w in amm::reduce_task(&mut self.table, &task.request, task.ndrop) {
+    /// Decide a prepared task (`amm::reduce_task`) and record its drops;
+    /// returns the addresses of the workers dropping it.
+    pub(crate) fn decide(&mut self, task: &Prepared<'_>) -> PyResult<Vec<usize>> {
+        let dropped = amm::reduce_task(&mut self.table, &task.request, task.ndrop);
+        let mut out = Vec::with_capacity(dropped.len());
+        for w in dropped {
             self.record(task.drop_set.as_ref(), &task.ts, w, true)?;
+            out.push(self.workers[w as usize].as_ptr() as usize);
         }
-        Ok(())
+        Ok(out)
     }
 
     pub(crate) fn table(&self) -> &WorkerTable {

@@ -22,7 +22,7 @@
 use pyo3::exceptions::PyAssertionError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySet};
+use pyo3::types::PyDict;
 
 use crate::amm::{self, DropRequest};
 use crate::py_amm::{AddrMap, AmmRun, Prepared};
@@ -41,6 +41,9 @@ struct RunStats {
 /// The over-replicated tasks and the tasks changed since the last run.
 #[pyclass(module = "dask_shm._core", weakref)]
 pub struct ReplicaTracker {
+    /// Drops decided by the last run and not yet seen enacted:
+    /// task -> (task, its base excess, dropping workers left, drops seen).
+    expected: AddrMap<Expected>,
     over: AddrMap<Py<PyAny>>,
     dirty: AddrMap<Py<PyAny>>,
     targets: AddrMap<Py<PyAny>>,
@@ -51,15 +54,15 @@ pub struct ReplicaTracker {
     last: RunStats,
 }
 
-fn addr(obj: &Bound<'_, PyAny>) -> usize {
-    obj.as_ptr() as usize
+struct Expected {
+    ts: Py<PyAny>,
+    base_excess: i64,
+    workers: Vec<usize>,
+    seen: i64,
 }
 
-fn contains(tasks: &Bound<'_, PyAny>, ts: &Bound<'_, PyAny>) -> PyResult<bool> {
-    match tasks.cast::<PySet>() {
-        Ok(set) => set.contains(ts),
-        Err(_) => tasks.contains(ts),
-    }
+fn addr(obj: &Bound<'_, PyAny>) -> usize {
+    obj.as_ptr() as usize
 }
 
 #[pymethods]
@@ -68,6 +71,7 @@ impl ReplicaTracker {
     #[new]
     fn new() -> Self {
         ReplicaTracker {
+            expected: AddrMap::default(),
             over: AddrMap::default(),
             dirty: AddrMap::default(),
             targets: AddrMap::default(),
@@ -90,6 +94,20 @@ impl ReplicaTracker {
         self.dirty.insert(addr(ts), ts.clone().unbind());
     }
 
+    /// Report that worker `ws` no longer holds `ts`. A drop the last run
+    /// decided (being enacted) changes nothing the tracker does not already
+    /// know; anything else is a change.
+    fn touch_removed(&mut self, ts: &Bound<'_, PyAny>, ws: &Bound<'_, PyAny>) {
+        if let Some(e) = self.expected.get_mut(&addr(ts)) {
+            if let Some(i) = e.workers.iter().position(|&w| w == addr(ws)) {
+                e.workers.swap_remove(i);
+                e.seen += 1;
+                return;
+            }
+        }
+        self.touch(ts);
+    }
+
     /// Report that `ts` changed state or worker: its own facts and the waiters
     /// of each of its dependencies may have changed.
     fn touch_dependencies(&mut self, ts: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -107,6 +125,7 @@ impl ReplicaTracker {
     fn request_rescan(&mut self) {
         self.rescan = true;
         self.dirty.clear();
+        self.expected.clear();
     }
 
     /// Number of tasks that had drops to suggest at the last look.
@@ -138,6 +157,7 @@ impl ReplicaTracker {
         defer: bool,
         validate: bool,
     ) -> PyResult<(usize, i64)> {
+        self.settle_expected(tasks.py());
         let same_tasks = self.tasks.as_ref().is_some_and(|t| t.is(tasks));
         let result = if self.rescan || !same_tasks {
             self.full_scan(run, tasks, pending, targets, defer)
@@ -152,6 +172,33 @@ impl ReplicaTracker {
             }
         }
         result
+    }
+
+    /// Fold the drops seen enacted since the last run into the over-replicated
+    /// set: a task whose decided drops were all enacted (and nothing else
+    /// touched it) has `base_excess - drops` left; any other is looked at again.
+    fn settle_expected(&mut self, py: Python<'_>) {
+        for (a, e) in std::mem::take(&mut self.expected) {
+            if !e.workers.is_empty() || self.dirty.contains_key(&a) {
+                self.touch(e.ts.bind(py));
+            } else if e.base_excess - e.seen > 0 {
+                self.over.insert(a, e.ts);
+            } else {
+                self.over.remove(&a);
+            }
+        }
+    }
+
+    fn expect(&mut self, task: &Prepared<'_>, dropped: Vec<usize>) {
+        if !dropped.is_empty() {
+            let e = Expected {
+                ts: task.ts.clone().unbind(),
+                base_excess: task.base_excess,
+                workers: dropped,
+                seen: 0,
+            };
+            self.expected.insert(addr(&task.ts), e);
+        }
     }
 
     fn full_scan(
@@ -176,7 +223,8 @@ impl ReplicaTracker {
                 nkeys += 1;
                 ndrop += ev.ndrop;
                 let task = run.prepare(ev, pending, defer)?;
-                run.decide(&task)?;
+                let dropped = run.decide(&task)?;
+                self.expect(&task, dropped);
             }
         }
         self.last = RunStats {
@@ -215,11 +263,13 @@ impl ReplicaTracker {
         let mut chosen: Vec<Prepared<'_>> = Vec::new();
         let (mut nkeys, mut ndrop) = (0usize, 0i64);
         for (a, ts) in look {
-            if !contains(tasks, &ts)? {
+            let ev = AmmRun::evaluate(ts, Some(pending), targets)?;
+            // The scheduler keeps `replicated_tasks` = {tasks with 2+ holders}
+            // (add_replica/remove_replica); `validate` checks it.
+            if ev.n_holders < 2 {
                 self.over.remove(&a);
                 continue;
             }
-            let ev = AmmRun::evaluate(ts, Some(pending), targets)?;
             if ev.base_excess > 0 {
                 self.over.insert(a, ev.ts.clone().unbind());
             } else {
@@ -243,7 +293,8 @@ impl ReplicaTracker {
             }
         }
         for task in &chosen {
-            run.decide(task)?;
+            let dropped = run.decide(task)?;
+            self.expect(task, dropped);
         }
         self.last = RunStats {
             full_scan: false,

@@ -168,6 +168,9 @@ class ReplicaTracker:
     def __init__(self) -> None: ...
     def touch(self, ts: Any) -> None:
         """``ts``'s replicas (or waiters) may have changed."""
+    def touch_removed(self, ts: Any, ws: Any) -> None:
+        """``ws`` no longer holds ``ts``: a change, unless it enacts a drop the last
+        run decided (then the tracker already knows the outcome)."""
     def touch_dependencies(self, ts: Any) -> None:
         """``ts`` changed state or worker: touch it and each of its dependencies."""
     def request_rescan(self) -> None: ...

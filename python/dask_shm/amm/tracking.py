@@ -52,18 +52,34 @@ class ReplicaHooks(SchedulerPlugin):
 
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
-        self.trackers: weakref.WeakSet[ReplicaTracker] = weakref.WeakSet()
+        # Plain weak references, not a WeakSet: iterating a WeakSet costs more
+        # than the touch itself, and this runs on every replica change.
+        self._trackers: list[weakref.ref[ReplicaTracker]] = []
+
+    def add(self, tracker: ReplicaTracker) -> None:
+        """Send changes to ``tracker`` for as long as it lives."""
+        self._trackers.append(weakref.ref(tracker, self._trackers.remove))
 
     def touch(self, ts: Any) -> None:
-        for tracker in self.trackers:
-            tracker.touch(ts)
+        for ref in self._trackers:
+            tracker = ref()
+            if tracker is not None:
+                tracker.touch(ts)
+
+    def touch_removed(self, ts: Any, ws: Any) -> None:
+        for ref in self._trackers:
+            tracker = ref()
+            if tracker is not None:
+                tracker.touch_removed(ts, ws)
 
     def touch_dependencies(self, ts: Any) -> None:
-        for tracker in self.trackers:
-            tracker.touch_dependencies(ts)
+        for ref in self._trackers:
+            tracker = ref()
+            if tracker is not None:
+                tracker.touch_dependencies(ts)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if self.trackers:
+        if self._trackers:
             ts = self.scheduler.tasks.get(key)
             if ts is not None:
                 self.touch_dependencies(ts)
@@ -79,7 +95,7 @@ def replica_hooks(scheduler: Any) -> ReplicaHooks | None:
         return None
     hooks = ReplicaHooks(scheduler)
     _wrap(scheduler, "add_replica", lambda ts, *_a, **_k: hooks.touch(ts))
-    _wrap(scheduler, "remove_replica", lambda ts, *_a, **_k: hooks.touch(ts))
+    _wrap(scheduler, "remove_replica", lambda ts, ws, *_a, **_k: hooks.touch_removed(ts, ws))
     _wrap(scheduler, "remove_all_replicas", lambda ts, *_a, **_k: hooks.touch(ts))
     _wrap(
         scheduler,
@@ -110,5 +126,5 @@ def subscribe(scheduler: Any) -> ReplicaTracker | None:
     if hooks is None:
         return None
     tracker = ReplicaTracker()
-    hooks.trackers.add(tracker)
+    hooks.add(tracker)
     return tracker
