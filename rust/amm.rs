@@ -493,22 +493,31 @@ pub struct DropRequest {
 /// each suggestion asks for the best dropper given the drops accepted so far
 /// (stock's `_find_dropper`, in order); the first rejection ends the task, as
 /// every later suggestion would be rejected alike. Accepted drops are
-/// accounted in `table` and returned in order.
-pub fn reduce_task(table: &mut WorkerTable, task: &DropRequest, ndrop: i64) -> Vec<u32> {
-    let mut dropped = Vec::new();
+/// accounted in `table` and appended to `dropped` in order.
+///
+/// Buffers are the caller's (a run decides many tasks): `dropped` receives the
+/// droppers; `scratch` is overwritten.
+pub fn reduce_task_into(
+    table: &mut WorkerTable,
+    task: &DropRequest,
+    ndrop: i64,
+    scratch: &mut Vec<u32>,
+    dropped: &mut Vec<u32>,
+) {
+    dropped.clear();
     if task.n_holders == 0 || task.actor {
-        return dropped;
+        return;
     }
-    let mut dropping = task.pending_drop.clone();
+    scratch.clear();
+    scratch.extend_from_slice(&task.pending_drop);
     for _ in 0..ndrop {
-        let Ok(w) = table.find_dropper(&task.holders, &dropping, None, &task.dependents) else {
+        let Ok(w) = table.find_dropper(&task.holders, scratch, None, &task.dependents) else {
             break;
         };
         table.drop_replica(w, task.nbytes);
-        dropping.push(w);
+        scratch.push(w);
         dropped.push(w);
     }
-    dropped
 }
 
 /// What RetireWorker needs to know about one (non-actor) task of the retiring
@@ -591,7 +600,7 @@ pub fn retire_task(table: &mut WorkerTable, w: u32, task: &RetireRequest) -> Ret
     }
 }
 
-/// True if running [`reduce_task`] over `tasks` (each with any `ndrop`) gives
+/// True if running [`reduce_task_into`] over `tasks` (each with any `ndrop`) gives
 /// the same drops in every order, so stock's order (the iteration order of
 /// `scheduler.replicated_tasks`) need not be known.
 ///
@@ -743,6 +752,12 @@ mod tests {
         // Two eligible holders: no guard either.
         let mut t = table(&[1, 9, 3], &[false, true, true]);
         assert_eq!(t.find_dropper(&[0, 1, 2], &[], None, &[0]), Ok(1));
+    }
+
+    fn reduce_task(table: &mut WorkerTable, task: &DropRequest, ndrop: i64) -> Vec<u32> {
+        let mut dropped = Vec::new();
+        reduce_task_into(table, task, ndrop, &mut Vec::new(), &mut dropped);
+        dropped
     }
 
     fn request(holders: &[u32], nbytes: i64) -> DropRequest {

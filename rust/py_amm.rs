@@ -167,6 +167,8 @@ pub struct AmmRun {
     /// Tasks a deferring bulk policy suggested something for that had no
     /// `pending` entry (stock would have created one for each).
     deferred_tasks: usize,
+    /// Buffers reused across the tasks of a run: (scratch, dropped).
+    buffers: (Vec<u32>, Vec<u32>),
 }
 
 impl AmmRun {
@@ -205,11 +207,16 @@ impl AmmRun {
 
     /// Positions of the workers where dependents (`waiters`) of `ts` are processing.
     fn dependents(&self, ts: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let mut out = Vec::new();
+        self.dependents_into(ts, &mut out)?;
+        Ok(out)
+    }
+
+    fn dependents_into(&self, ts: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> PyResult<()> {
         let py = ts.py();
         let waiters = ts.getattr(intern!(py, "waiters"))?;
-        let mut out = Vec::new();
         if waiters.is_none() {
-            return Ok(out);
+            return Ok(());
         }
         for waiter in waiters.try_iter()? {
             let on = waiter?.getattr(intern!(py, "processing_on"))?;
@@ -219,7 +226,7 @@ impl AmmRun {
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     fn worker<'py>(&self, py: Python<'py>, w: u32) -> Bound<'py, PyAny> {
@@ -327,23 +334,24 @@ impl AmmRun {
         ev: Evaluated<'py>,
         pending: &Bound<'py, PyDict>,
         defer: bool,
+        mut request: DropRequest,
     ) -> PyResult<Prepared<'py>> {
         let existing = ev.existing.as_ref().map(split_entry).transpose()?;
         let drop_set = self
             .entry_for(pending, &ev.ts, existing, defer)?
             .map(|e| e.1);
-        let mut request = DropRequest {
-            n_holders: ev.n_holders,
-            ..DropRequest::default()
-        };
-        if ev.n_holders == 0 || Self::is_actor(&ev.ts)? {
-            request.actor = true; // every suggestion is rejected
-        } else {
+        request.holders.clear();
+        request.pending_drop.clear();
+        request.dependents.clear();
+        request.n_holders = ev.n_holders;
+        request.nbytes = 0;
+        request.actor = ev.n_holders == 0 || Self::is_actor(&ev.ts)?;
+        if !request.actor {
             self.positions_into(&ev.who_has, &mut request.holders)?;
             if let Some(set) = &drop_set {
                 self.positions_into(set.as_any(), &mut request.pending_drop)?;
             }
-            request.dependents = self.dependents(&ev.ts)?;
+            self.dependents_into(&ev.ts, &mut request.dependents)?;
             request.nbytes = Self::nbytes(&ev.ts)?;
         }
         Ok(Prepared {
@@ -355,16 +363,25 @@ impl AmmRun {
         })
     }
 
-    /// Decide a prepared task (`amm::reduce_task`) and record its drops.
-    /// Decide a prepared task (`amm::reduce_task`) and record its drops;
-    /// returns the addresses of the workers dropping it.
-    pub(crate) fn decide(&mut self, task: &Prepared<'_>) -> PyResult<Vec<usize>> {
-        let dropped = amm::reduce_task(&mut self.table, &task.request, task.ndrop);
-        let mut out = Vec::with_capacity(dropped.len());
-        for w in dropped {
+    /// Decide a prepared task (`amm::reduce_task`) and record its drops; with
+    /// `addresses`, returns the addresses of the workers dropping it.
+    pub(crate) fn decide(&mut self, task: &Prepared<'_>, addresses: bool) -> PyResult<Vec<usize>> {
+        let (mut scratch, mut dropped) = std::mem::take(&mut self.buffers);
+        amm::reduce_task_into(
+            &mut self.table,
+            &task.request,
+            task.ndrop,
+            &mut scratch,
+            &mut dropped,
+        );
+        let mut out = Vec::new();
+        for &w in &dropped {
             self.record(task.drop_set.as_ref(), &task.ts, w, true)?;
-            out.push(self.workers[w as usize].as_ptr() as usize);
+            if addresses {
+                out.push(self.workers[w as usize].as_ptr() as usize);
+            }
         }
+        self.buffers = (scratch, dropped);
         Ok(out)
     }
 
@@ -406,6 +423,7 @@ impl AmmRun {
             last_reject: 0,
             deferred: Vec::new(),
             deferred_tasks: 0,
+            buffers: (Vec::new(), Vec::new()),
         })
     }
 
@@ -543,13 +561,15 @@ impl AmmRun {
         defer: bool,
     ) -> PyResult<(usize, i64)> {
         let (mut nkeys, mut ndrop) = (0usize, 0i64);
+        let mut request = DropRequest::default();
         for ts in tasks.try_iter()? {
             let ev = Self::evaluate(ts?, Some(pending), targets)?;
             if ev.ndrop > 0 {
                 nkeys += 1;
                 ndrop += ev.ndrop;
-                let task = self.prepare(ev, pending, defer)?;
-                self.decide(&task)?;
+                let task = self.prepare(ev, pending, defer, request)?;
+                self.decide(&task, false)?;
+                request = task.request;
             }
         }
         Ok((nkeys, ndrop))

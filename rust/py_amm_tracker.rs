@@ -15,9 +15,9 @@
 //! their choices could depend on the order they are decided in (see
 //! `amm::order_independent`), one pointer-only pass over `replicated_tasks`
 //! recovers stock's order. The first run, a replaced `replicated_tasks` object,
-//! `request_rescan` and more than `DIRTY_LIMIT` changed tasks (which also bounds
-//! what the tracker keeps alive while the AMM is stopped) fall back to a full
-//! scan.
+//! `request_rescan`, more than `DIRTY_LIMIT` changed tasks (which also bounds
+//! what the tracker keeps alive while the AMM is stopped) and a full scan that
+//! found more than `OVER_LIMIT` over-replicated tasks fall back to a full scan.
 
 use pyo3::exceptions::PyAssertionError;
 use pyo3::intern;
@@ -29,6 +29,9 @@ use crate::py_amm::{AddrMap, AmmRun, Prepared};
 
 /// More changed tasks than this between two runs: forget them and rescan.
 const DIRTY_LIMIT: usize = 1 << 16;
+/// A full scan finding more over-replicated tasks than this stops keeping them
+/// (which would slow the scan down) and leaves the next run a full scan too.
+const OVER_LIMIT: usize = 1 << 14;
 
 /// What the last run did (for tests and benchmarks).
 #[derive(Debug, Clone, Copy, Default)]
@@ -213,20 +216,32 @@ impl ReplicaTracker {
         self.rescan = false;
         self.tasks = Some(tasks.clone().unbind());
         let (mut nkeys, mut ndrop, mut looked_at) = (0usize, 0i64, 0usize);
+        let mut keeping = true;
+        let mut request = DropRequest::default();
         for ts in tasks.try_iter()? {
             looked_at += 1;
             let ev = AmmRun::evaluate(ts?, Some(pending), targets)?;
-            if ev.base_excess > 0 {
-                self.over.insert(addr(&ev.ts), ev.ts.clone().unbind());
+            if keeping && ev.base_excess > 0 {
+                if self.over.len() == OVER_LIMIT {
+                    keeping = false;
+                    self.over.clear();
+                    self.expected.clear();
+                } else {
+                    self.over.insert(addr(&ev.ts), ev.ts.clone().unbind());
+                }
             }
             if ev.ndrop > 0 {
                 nkeys += 1;
                 ndrop += ev.ndrop;
-                let task = run.prepare(ev, pending, defer)?;
-                let dropped = run.decide(&task)?;
-                self.expect(&task, dropped);
+                let task = run.prepare(ev, pending, defer, request)?;
+                let dropped = run.decide(&task, keeping)?;
+                if keeping {
+                    self.expect(&task, dropped);
+                }
+                request = task.request;
             }
         }
+        self.rescan = !keeping;
         self.last = RunStats {
             full_scan: true,
             looked_at,
@@ -278,7 +293,7 @@ impl ReplicaTracker {
             if ev.ndrop > 0 {
                 nkeys += 1;
                 ndrop += ev.ndrop;
-                chosen.push(run.prepare(ev, pending, defer)?);
+                chosen.push(run.prepare(ev, pending, defer, DropRequest::default())?);
             }
         }
         if validate {
@@ -293,7 +308,7 @@ impl ReplicaTracker {
             }
         }
         for task in &chosen {
-            let dropped = run.decide(task)?;
+            let dropped = run.decide(task, true)?;
             self.expect(task, dropped);
         }
         self.last = RunStats {

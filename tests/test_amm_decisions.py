@@ -476,3 +476,25 @@ def test_tracked_runs_same_decisions_when_order_matters(seed: int) -> None:
         our_amm.run_once()
         s.apply_drops = False
         assert s.take() == stock_dec
+
+
+def test_many_over_replicated_tasks_mean_full_scans_until_few() -> None:
+    """A full scan that finds more over-replicated tasks than the tracker keeps
+    (16384) leaves the next run a full scan; once the drops are enacted, runs are
+    incremental again. Decisions equal stock's throughout."""
+    rng = random.Random(5)
+    s = FakeScheduler()
+    workers = [s.add_worker(f"w{i}", (10_000 + i) << 20) for i in range(8)]
+    for k in range(16_500):
+        s.add_task(f"k{k}", 1 + rng.randrange(4), rng.sample(workers, 2))
+    amm = make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()])
+    seen = []
+    for _ in range(3):
+        make(stock.ActiveMemoryManagerExtension, s, [stock.ReduceReplicas()]).run_once()
+        stock_dec = s.take()
+        s.apply_drops = True
+        amm.run_once()
+        s.apply_drops = False
+        assert s.take() == stock_dec
+        seen.append((amm._tracker.last_run[0], len(stock_dec)))
+    assert seen == [(True, 16_500), (True, 0), (False, 0)]
