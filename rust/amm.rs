@@ -27,31 +27,103 @@
 
 use std::collections::BTreeSet;
 
-/// Why [`WorkerTable::find_recipient`] found nobody.
+/// Why a suggestion was rejected: the one definition of the codes and of
+/// stock's log messages (exported to Python as `AMM_REJECTIONS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NoRecipient {
+pub enum Reject {
     /// No candidate is a running worker.
     NoRunningCandidates = 1,
     /// Every running candidate already holds a replica.
     AllHoldReplica = 2,
     /// Every remaining candidate is already due to receive a replica.
-    AllPending = 3,
-}
-
-/// Why [`WorkerTable::find_dropper`] found nobody.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NoDropper {
+    AllPendingReplication = 3,
     /// Fewer than two replicas would be left after pending drops.
     LastReplica = 11,
     /// None of the suggested candidates holds a replica.
     NoCandidateHolds = 12,
     /// Every remaining candidate is already due to drop its replica.
-    AllPending = 13,
+    AllPendingDrop = 13,
     /// Every remaining candidate has dependents of the key processing on it.
     AllHaveDependents = 14,
     /// Dropping would leave the only replica on a running worker while the
     /// other holders are paused or retiring and busy with dependents.
     PingPong = 15,
+    /// The task is not in memory (replications only).
+    NotInMemory = 21,
+    /// The task is an actor.
+    Actor = 22,
+    /// The task has no replicas (`who_has` is None; drops only).
+    NoReplicas = 23,
+}
+
+impl Reject {
+    /// Every code, in numeric order.
+    pub const ALL: [Reject; 11] = [
+        Reject::NoRunningCandidates,
+        Reject::AllHoldReplica,
+        Reject::AllPendingReplication,
+        Reject::LastReplica,
+        Reject::NoCandidateHolds,
+        Reject::AllPendingDrop,
+        Reject::AllHaveDependents,
+        Reject::PingPong,
+        Reject::NotInMemory,
+        Reject::Actor,
+        Reject::NoReplicas,
+    ];
+
+    /// The numeric code (stable; Python sees it as `last_reject`).
+    pub fn code(self) -> i64 {
+        self as i64
+    }
+
+    /// Stock's log message for the rejection. `NotInMemory`'s is a
+    /// `str.format` template over the task's `state`; `NoReplicas` has none
+    /// (stock rejects that silently).
+    pub fn message(self) -> &'static str {
+        match self {
+            Reject::NoRunningCandidates => "no running candidates",
+            Reject::AllHoldReplica => "all candidates already own a replica",
+            Reject::AllPendingReplication => "already pending replication on all candidates",
+            Reject::LastReplica => "less than 2 replicas exist",
+            Reject::NoCandidateHolds => "no candidates suggested by the policy own a replica",
+            Reject::AllPendingDrop => "already pending drop on all candidates",
+            Reject::AllHaveDependents => {
+                "all candidates have dependent tasks queued or running on them"
+            }
+            Reject::PingPong => {
+                "there is only one replica on workers that aren't paused or retiring"
+            }
+            Reject::NotInMemory => "ts.state = {state}",
+            Reject::Actor => "task is an actor",
+            Reject::NoReplicas => "",
+        }
+    }
+}
+
+/// Stock keeps an extra replica per dependent still waiting, but only counts
+/// where they wait (each unassigned waiter apart, waiters sharing a worker
+/// once) when there are fewer than this many; above, each waiter counts.
+pub const MAX_COUNTED_WAITERS: usize = 20;
+
+/// Number of replicas ReduceReplicas keeps for a task wanting `desired`
+/// replicas with `n_waiters` waiters: `max(desired, waiters)`, where waiters
+/// is `places()` (the number of distinct places the waiters wait at) if
+/// `desired < n_waiters < MAX_COUNTED_WAITERS`, else `n_waiters`. `places` is
+/// only called in that case (it is the costly part).
+pub fn replicas_to_keep(desired: i64, n_waiters: usize, places: impl FnOnce() -> usize) -> i64 {
+    let counted = if desired < n_waiters as i64 && n_waiters < MAX_COUNTED_WAITERS {
+        places()
+    } else {
+        n_waiters
+    };
+    desired.max(counted as i64)
+}
+
+/// How many drops ReduceReplicas suggests for a task: its holders beyond
+/// those kept, counting this run's pending replications (+) and drops (-).
+pub fn excess_replicas(n_holders: i64, keep: i64, pending_repl: i64, pending_drop: i64) -> i64 {
+    n_holders - keep + pending_repl - pending_drop
 }
 
 // Scratch flag bits, set for the duration of one query and cleared after it.
@@ -116,6 +188,14 @@ impl WorkerTable {
     /// If `w` is out of range.
     pub fn memory(&self, w: u32) -> i64 {
         self.memory[w as usize]
+    }
+
+    /// True if worker `w` has status running.
+    ///
+    /// # Panics
+    /// If `w` is out of range.
+    pub fn running(&self, w: u32) -> bool {
+        self.running[w as usize]
     }
 
     /// True if worker `w` may receive replicas (it is in `Scheduler.running`).
@@ -189,7 +269,7 @@ impl WorkerTable {
         candidates: Option<&[u32]>,
         holders: &[u32],
         pending: &[u32],
-    ) -> Result<u32, NoRecipient> {
+    ) -> Result<u32, Reject> {
         self.check(holders);
         self.check(pending);
         if let Some(c) = candidates {
@@ -206,7 +286,7 @@ impl WorkerTable {
         result
     }
 
-    fn recipient_among(&self, candidates: &[u32]) -> Result<u32, NoRecipient> {
+    fn recipient_among(&self, candidates: &[u32]) -> Result<u32, Reject> {
         let mut best: Option<(i64, u32)> = None;
         let (mut any_running, mut any_free) = (false, false);
         for &w in candidates {
@@ -230,15 +310,15 @@ impl WorkerTable {
         }
         match best {
             Some((_, w)) => Ok(w),
-            None if !any_running => Err(NoRecipient::NoRunningCandidates),
-            None if !any_free => Err(NoRecipient::AllHoldReplica),
-            None => Err(NoRecipient::AllPending),
+            None if !any_running => Err(Reject::NoRunningCandidates),
+            None if !any_free => Err(Reject::AllHoldReplica),
+            None => Err(Reject::AllPendingReplication),
         }
     }
 
-    fn recipient_any(&self) -> Result<u32, NoRecipient> {
+    fn recipient_any(&self) -> Result<u32, Reject> {
         if self.by_memory.is_empty() {
-            return Err(NoRecipient::NoRunningCandidates);
+            return Err(Reject::NoRunningCandidates);
         }
         let mut any_free = false;
         for &(_, w) in &self.by_memory {
@@ -253,9 +333,9 @@ impl WorkerTable {
             return Ok(w);
         }
         Err(if any_free {
-            NoRecipient::AllPending
+            Reject::AllPendingReplication
         } else {
-            NoRecipient::AllHoldReplica
+            Reject::AllHoldReplica
         })
     }
 
@@ -277,7 +357,7 @@ impl WorkerTable {
         pending: &[u32],
         candidates: Option<&[u32]>,
         dependents: &[u32],
-    ) -> Result<u32, NoDropper> {
+    ) -> Result<u32, Reject> {
         self.check(holders);
         self.check(pending);
         self.check(dependents);
@@ -306,12 +386,12 @@ impl WorkerTable {
         pending: &[u32],
         candidates: Option<&[u32]>,
         dependents: &[u32],
-    ) -> Result<u32, NoDropper> {
+    ) -> Result<u32, Reject> {
         // Distinct holders and distinct pending drops, as set sizes.
         let n_holders = self.count_distinct(holders);
         let n_pending = self.count_distinct(pending);
         if (n_holders as i64) - (n_pending as i64) < 2 {
-            return Err(NoDropper::LastReplica);
+            return Err(Reject::LastReplica);
         }
         let allowed_bit = if candidates.is_some() { CANDIDATE } else { 0 };
         let is_candidate = |f: u8| f & HOLDER != 0 && f & allowed_bit == allowed_bit;
@@ -349,13 +429,13 @@ impl WorkerTable {
             self.flags[w as usize] &= !SEEN;
         }
         if !any_candidate {
-            return Err(NoDropper::NoCandidateHolds);
+            return Err(Reject::NoCandidateHolds);
         }
         if !any_not_pending {
-            return Err(NoDropper::AllPending);
+            return Err(Reject::AllPendingDrop);
         }
         let Some((_, _, std::cmp::Reverse(choice))) = best else {
-            return Err(NoDropper::AllHaveDependents);
+            return Err(Reject::AllHaveDependents);
         };
 
         // Candidates set aside only because dependents are processing there.
@@ -369,7 +449,7 @@ impl WorkerTable {
             }
         }
         if n_eligible == 1 && self.running[choice as usize] && busy_any && busy_all_not_running {
-            return Err(NoDropper::PingPong);
+            return Err(Reject::PingPong);
         }
         Ok(choice)
     }
@@ -388,6 +468,192 @@ impl WorkerTable {
         }
         n
     }
+}
+
+/// What ReduceReplicas needs to know about one task, as plain data gathered
+/// by the binding. Worker lists hold table indices; workers unknown to the run
+/// are left out.
+#[derive(Debug, Clone, Default)]
+pub struct DropRequest {
+    /// Holders of the task (`who_has`).
+    pub holders: Vec<u32>,
+    /// `len(who_has)`, counting holders unknown to the run.
+    pub n_holders: i64,
+    /// Holders already due to drop the task in this run (`pending` drops).
+    pub pending_drop: Vec<u32>,
+    /// Workers where dependents of the task are processing.
+    pub dependents: Vec<u32>,
+    /// The task's size, accounted on each dropper.
+    pub nbytes: i64,
+    /// The task is an actor (every drop is rejected).
+    pub actor: bool,
+}
+
+/// Stock `ReduceReplicas` for one task with `ndrop` (> 0) suggested drops:
+/// each suggestion asks for the best dropper given the drops accepted so far
+/// (stock's `_find_dropper`, in order); the first rejection ends the task, as
+/// every later suggestion would be rejected alike. Accepted drops are
+/// accounted in `table` and appended to `dropped` in order.
+///
+/// Buffers are the caller's (a run decides many tasks): `dropped` receives the
+/// droppers; `scratch` is overwritten.
+pub fn reduce_task_into(
+    table: &mut WorkerTable,
+    task: &DropRequest,
+    ndrop: i64,
+    scratch: &mut Vec<u32>,
+    dropped: &mut Vec<u32>,
+) {
+    dropped.clear();
+    if task.n_holders == 0 || task.actor {
+        return;
+    }
+    scratch.clear();
+    scratch.extend_from_slice(&task.pending_drop);
+    for _ in 0..ndrop {
+        let Ok(w) = table.find_dropper(&task.holders, scratch, None, &task.dependents) else {
+            break;
+        };
+        table.drop_replica(w, task.nbytes);
+        scratch.push(w);
+        dropped.push(w);
+    }
+}
+
+/// What RetireWorker needs to know about one (non-actor) task of the retiring
+/// worker, as plain data gathered by the binding.
+#[derive(Debug, Clone, Default)]
+pub struct RetireRequest {
+    /// Holders of the task, as table indices.
+    pub holders: Vec<u32>,
+    /// `len(who_has)`.
+    pub n_holders: usize,
+    /// Holders already due to drop the task in this run.
+    pub pending_drop: Vec<u32>,
+    /// A replication of the task is already pending in this run.
+    pub pending_repl: bool,
+    /// Workers where dependents are processing; only read if `n_holders > 1`.
+    pub dependents: Vec<u32>,
+    /// The task is in memory.
+    pub in_memory: bool,
+    /// The task's size.
+    pub nbytes: i64,
+}
+
+/// What RetireWorker did with one task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetireOutcome {
+    /// The retiring worker drops its replica (accepted drop from this worker).
+    Dropped(u32),
+    /// The drop was rejected but a running worker keeps a replica: nothing to do.
+    KeptElsewhere,
+    /// The task must move, and a replication is already pending.
+    AlreadyPending,
+    /// The task moves: accepted replication onto this worker.
+    Replicated(u32),
+    /// The task must move but nobody can receive it.
+    NoRecipient(Reject),
+}
+
+impl RetireOutcome {
+    /// The task counts among the keys being moved away (stock's `nrepl`).
+    pub fn moves(self) -> bool {
+        !matches!(
+            self,
+            RetireOutcome::Dropped(_) | RetireOutcome::KeptElsewhere
+        )
+    }
+}
+
+/// Stock `RetireWorker` for one task held by retiring worker `w`: a replicated
+/// task is offered for dropping from `w`; a task that stays unique, or whose
+/// other replicas are all on workers that are not running, is replicated to the
+/// least loaded running worker unless a replication is already pending.
+/// Accepted actions are accounted in `table`.
+pub fn retire_task(table: &mut WorkerTable, w: u32, task: &RetireRequest) -> RetireOutcome {
+    if task.n_holders > 1 {
+        if let Ok(d) = table.find_dropper(
+            &task.holders,
+            &task.pending_drop,
+            Some(&[w]),
+            &task.dependents,
+        ) {
+            table.drop_replica(d, task.nbytes);
+            return RetireOutcome::Dropped(d);
+        }
+        if task.holders.iter().any(|&h| table.eligible(h)) {
+            return RetireOutcome::KeptElsewhere;
+        }
+    }
+    if task.pending_repl {
+        return RetireOutcome::AlreadyPending;
+    }
+    if !task.in_memory {
+        return RetireOutcome::NoRecipient(Reject::NotInMemory);
+    }
+    match table.find_recipient(None, &task.holders, &[]) {
+        Ok(r) => {
+            table.add_replica(r, task.nbytes);
+            RetireOutcome::Replicated(r)
+        }
+        Err(e) => RetireOutcome::NoRecipient(e),
+    }
+}
+
+/// True if running [`reduce_task_into`] over `tasks` (each with any `ndrop`) gives
+/// the same drops in every order, so stock's order (the iteration order of
+/// `scheduler.replicated_tasks`) need not be known.
+///
+/// Tasks interact only through the memory of the workers they may drop from
+/// (holders not pending a drop and without dependents processing there). The
+/// drops of one task are the top `ndrop` of its eligible holders by
+/// `(not running, memory)` at the time it runs; a later drop can lower a
+/// worker's memory by at most the sizes of the other tasks that may drop from
+/// it. If, for every task, the line between the holders it would drop from and
+/// those it would keep holds for any such lowering, no order can change any
+/// choice. Conservative: false means "maybe order-dependent".
+pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest]) -> bool {
+    if tasks.len() < 2 {
+        return true;
+    }
+    // Upper bound of what other tasks may take off each worker.
+    let mut exposure: std::collections::HashMap<u32, i64> = std::collections::HashMap::new();
+    let droppable = |task: &DropRequest, h: u32| {
+        !task.actor && !task.pending_drop.contains(&h) && !task.dependents.contains(&h)
+    };
+    for task in tasks {
+        for &h in &task.holders {
+            if droppable(task, h) {
+                *exposure.entry(h).or_insert(0) += task.nbytes;
+            }
+        }
+    }
+    let mut cands: Vec<(bool, i64, i64, u32)> = Vec::new();
+    for task in tasks {
+        cands.clear();
+        for &h in &task.holders {
+            if !droppable(task, h) {
+                continue;
+            }
+            let hi = table.memory(h);
+            let other = exposure.get(&h).copied().unwrap_or(0) - task.nbytes;
+            let lo = hi.saturating_sub(other).max(0);
+            cands.push((!table.running(h), hi, lo, h));
+        }
+        // Best first, as find_dropper ranks: (not running, memory) high, then index low.
+        cands.sort_unstable_by(|a, b| (b.0, b.1, a.3).cmp(&(a.0, a.1, b.3)));
+        // How many drops are accepted does not depend on order; which ones
+        // does unless the whole ranking holds under any lowering. Neighbours
+        // suffice (the bounds chain); running status outranks memory.
+        for pair in cands.windows(2) {
+            let (c, o) = (pair[0], pair[1]);
+            let fixed_tie = c.1 == c.2 && o.1 == o.2; // neither moves: index decides
+            if c.0 == o.0 && !fixed_tie && c.2 <= o.1 {
+                return false;
+            }
+        }
+    }
+    true
 }
 
 #[cfg(test)]
@@ -417,15 +683,15 @@ mod tests {
         assert_eq!(t.find_recipient(Some(&[0, 3]), &[], &[]), Ok(0));
         assert_eq!(
             t.find_recipient(Some(&[3]), &[], &[]),
-            Err(NoRecipient::NoRunningCandidates)
+            Err(Reject::NoRunningCandidates)
         );
         assert_eq!(
             t.find_recipient(None, &[0, 1, 2], &[]),
-            Err(NoRecipient::AllHoldReplica)
+            Err(Reject::AllHoldReplica)
         );
         assert_eq!(
             t.find_recipient(None, &[0, 1], &[2]),
-            Err(NoRecipient::AllPending)
+            Err(Reject::AllPendingReplication)
         );
     }
 
@@ -454,21 +720,21 @@ mod tests {
         assert_eq!(t.find_dropper(&[1, 2], &[], None, &[]), Ok(1));
         assert_eq!(
             t.find_dropper(&[1, 2], &[1], None, &[]),
-            Err(NoDropper::LastReplica)
+            Err(Reject::LastReplica)
         );
         assert_eq!(t.find_dropper(&[0, 1, 2], &[0], None, &[]), Ok(1));
         assert_eq!(t.find_dropper(&[0, 1, 2], &[], Some(&[2]), &[]), Ok(2));
         assert_eq!(
             t.find_dropper(&[1, 2], &[], Some(&[0]), &[]),
-            Err(NoDropper::NoCandidateHolds)
+            Err(Reject::NoCandidateHolds)
         );
         assert_eq!(
             t.find_dropper(&[0, 1, 2], &[2], Some(&[2]), &[]),
-            Err(NoDropper::AllPending)
+            Err(Reject::AllPendingDrop)
         );
         assert_eq!(
             t.find_dropper(&[0, 1, 2], &[], Some(&[2]), &[2]),
-            Err(NoDropper::AllHaveDependents)
+            Err(Reject::AllHaveDependents)
         );
     }
 
@@ -478,7 +744,7 @@ mod tests {
         let mut t = table(&[1, 9], &[false, true]);
         assert_eq!(
             t.find_dropper(&[0, 1], &[], None, &[0]),
-            Err(NoDropper::PingPong)
+            Err(Reject::PingPong)
         );
         // If the busy holder is running, there is no guard.
         let mut t = table(&[1, 9], &[true, true]);
@@ -486,6 +752,186 @@ mod tests {
         // Two eligible holders: no guard either.
         let mut t = table(&[1, 9, 3], &[false, true, true]);
         assert_eq!(t.find_dropper(&[0, 1, 2], &[], None, &[0]), Ok(1));
+    }
+
+    fn reduce_task(table: &mut WorkerTable, task: &DropRequest, ndrop: i64) -> Vec<u32> {
+        let mut dropped = Vec::new();
+        reduce_task_into(table, task, ndrop, &mut Vec::new(), &mut dropped);
+        dropped
+    }
+
+    fn request(holders: &[u32], nbytes: i64) -> DropRequest {
+        DropRequest {
+            holders: holders.to_vec(),
+            n_holders: holders.len() as i64,
+            nbytes,
+            ..DropRequest::default()
+        }
+    }
+
+    #[test]
+    fn keep_counts_waiter_places_only_below_the_limit() {
+        let never = || -> usize { panic!("places must not be counted") };
+        assert_eq!(replicas_to_keep(1, 0, never), 1);
+        assert_eq!(replicas_to_keep(1, 1, never), 1);
+        assert_eq!(replicas_to_keep(1, 5, || 2), 2);
+        assert_eq!(replicas_to_keep(3, 5, || 2), 3);
+        assert_eq!(replicas_to_keep(4, 4, never), 4);
+        assert_eq!(replicas_to_keep(1, MAX_COUNTED_WAITERS, never), 20);
+        assert_eq!(replicas_to_keep(1, MAX_COUNTED_WAITERS - 1, || 3), 3);
+        assert_eq!(excess_replicas(4, 1, 0, 0), 3);
+        assert_eq!(excess_replicas(4, 2, 1, 2), 1);
+    }
+
+    #[test]
+    fn reduce_task_drops_heaviest_holders_in_turn() {
+        let mut t = table(&[10, 40, 30, 20], &[true, true, true, true]);
+        assert_eq!(
+            reduce_task(&mut t, &request(&[0, 1, 2, 3], 5), 3),
+            vec![1, 2, 3]
+        );
+        assert_eq!(t.memory(1), 35);
+        assert_eq!(t.memory(3), 15);
+        // Pending drops count against the last replica and are not chosen again.
+        let mut t = table(&[10, 40, 30], &[true, true, true]);
+        let mut task = request(&[0, 1, 2], 5);
+        task.pending_drop = vec![1];
+        assert_eq!(reduce_task(&mut t, &task, 2), vec![2]);
+        // Workers with dependents processing keep their replica.
+        let mut t = table(&[10, 40, 30], &[true, true, true]);
+        let mut task = request(&[0, 1, 2], 5);
+        task.dependents = vec![1];
+        assert_eq!(reduce_task(&mut t, &task, 2), vec![2, 0]);
+        // Actors and tasks without replicas are never dropped.
+        task.actor = true;
+        assert!(reduce_task(&mut t, &task, 2).is_empty());
+        assert!(reduce_task(&mut t, &DropRequest::default(), 1).is_empty());
+        // Not running first, whatever the memory.
+        let mut t = table(&[1, 40], &[false, true]);
+        assert_eq!(reduce_task(&mut t, &request(&[0, 1], 5), 1), vec![0]);
+    }
+
+    #[test]
+    fn retire_task_drops_moves_or_reports() {
+        // Worker 0 retires (not eligible); 1 and 2 run.
+        let mut t = WorkerTable::new(
+            vec![5, 50, 10],
+            vec![false, true, true],
+            vec![false, true, true],
+        );
+        let replicated = RetireRequest {
+            holders: vec![0, 1],
+            n_holders: 2,
+            nbytes: 3,
+            in_memory: true,
+            ..RetireRequest::default()
+        };
+        assert_eq!(
+            retire_task(&mut t, 0, &replicated),
+            RetireOutcome::Dropped(0)
+        );
+        assert_eq!(t.memory(0), 2);
+        let unique = RetireRequest {
+            holders: vec![0],
+            n_holders: 1,
+            nbytes: 3,
+            in_memory: true,
+            ..RetireRequest::default()
+        };
+        assert_eq!(
+            retire_task(&mut t, 0, &unique),
+            RetireOutcome::Replicated(2)
+        );
+        assert_eq!(t.memory(2), 13);
+        let pending = RetireRequest {
+            pending_repl: true,
+            ..unique.clone()
+        };
+        assert_eq!(
+            retire_task(&mut t, 0, &pending),
+            RetireOutcome::AlreadyPending
+        );
+        let lost = RetireRequest {
+            in_memory: false,
+            ..unique.clone()
+        };
+        assert_eq!(
+            retire_task(&mut t, 0, &lost),
+            RetireOutcome::NoRecipient(Reject::NotInMemory)
+        );
+        // Drop rejected (dependents on 0) but worker 1 runs and keeps a replica.
+        let busy = RetireRequest {
+            dependents: vec![0],
+            ..replicated.clone()
+        };
+        assert_eq!(retire_task(&mut t, 0, &busy), RetireOutcome::KeptElsewhere);
+        assert!(!RetireOutcome::KeptElsewhere.moves());
+        // Nobody running: no recipient.
+        let mut t = WorkerTable::new(vec![5, 50], vec![false, false], vec![false, false]);
+        assert_eq!(
+            retire_task(&mut t, 0, &unique),
+            RetireOutcome::NoRecipient(Reject::NoRunningCandidates)
+        );
+        assert!(RetireOutcome::NoRecipient(Reject::NoRunningCandidates).moves());
+    }
+
+    #[test]
+    fn reject_codes_are_unique_and_documented() {
+        let codes: BTreeSet<i64> = Reject::ALL.iter().map(|r| r.code()).collect();
+        assert_eq!(codes.len(), Reject::ALL.len());
+        for r in Reject::ALL {
+            assert_eq!(r.message().is_empty(), r == Reject::NoReplicas);
+        }
+    }
+
+    #[test]
+    fn order_independence_is_conservative_on_random_batches() {
+        // Whenever order_independent says yes, every order gives the same drops.
+        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = |m: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % m
+        };
+        let (mut yes, mut no) = (0, 0);
+        for _ in 0..400 {
+            let n = 2 + next(6) as usize;
+            let memory: Vec<i64> = (0..n).map(|_| next(60) as i64).collect();
+            let running: Vec<bool> = (0..n).map(|_| next(4) != 0).collect();
+            let base = table(&memory, &running);
+            let tasks: Vec<(DropRequest, i64)> = (0..2 + next(3))
+                .map(|_| {
+                    let k = 2 + next(n as u64 - 1) as usize;
+                    let mut hs: Vec<u32> = (0..n as u32).collect();
+                    for i in 0..n {
+                        hs.swap(i, i + next((n - i) as u64) as usize);
+                    }
+                    hs.truncate(k.min(n));
+                    (request(&hs, 1 + next(8) as i64), 1 + next(2) as i64)
+                })
+                .collect();
+            let refs: Vec<&DropRequest> = tasks.iter().map(|(t, _)| t).collect();
+            let run = |order: &[usize]| {
+                let mut t = base.clone();
+                let mut out = vec![Vec::new(); tasks.len()];
+                for &i in order {
+                    let mut d = reduce_task(&mut t, &tasks[i].0, tasks[i].1);
+                    d.sort_unstable();
+                    out[i] = d;
+                }
+                out
+            };
+            let forward: Vec<usize> = (0..tasks.len()).collect();
+            let backward: Vec<usize> = forward.iter().rev().copied().collect();
+            if order_independent(&base, &refs) {
+                yes += 1;
+                assert_eq!(run(&forward), run(&backward));
+            } else {
+                no += 1;
+            }
+        }
+        assert!(yes > 20 && no > 20, "both outcomes exercised: {yes} {no}");
     }
 
     #[test]

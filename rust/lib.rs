@@ -7,6 +7,7 @@ pub mod ledger;
 mod local_transport;
 pub mod peer;
 mod py_amm;
+mod py_amm_tracker;
 mod py_buffers;
 mod py_store;
 mod recycle;
@@ -21,6 +22,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_store::FileStore>()?;
     m.add_class::<py_buffers::MappedFile>()?;
     m.add_class::<py_amm::AmmRun>()?;
+    m.add_class::<py_amm_tracker::ReplicaTracker>()?;
+    m.add("AMM_REJECTIONS", py_amm::rejections(m.py())?)?;
+    m.add("AMM_MAX_COUNTED_WAITERS", amm::MAX_COUNTED_WAITERS)?;
+    m.add_function(wrap_pyfunction!(py_amm::replicas_to_keep, m)?)?;
     m.add_class::<local_transport::MappedRange>()?;
     m.add_function(wrap_pyfunction!(local_transport::map_frames, m)?)?;
     m.add_function(wrap_pyfunction!(local_transport::buffer_address, m)?)?;

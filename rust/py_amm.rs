@@ -1,13 +1,14 @@
-//! Python face of `amm::WorkerTable`: `dask_shm._core.AmmRun`.
+//! Python face of the AMM core (`crate::amm`): `dask_shm._core.AmmRun`.
 //!
 //! One `AmmRun` serves one Active Memory Manager run. It holds the run's
 //! `WorkerState` objects (strong references, so their addresses identify them
-//! for the whole run) and the Rust worker table, and works directly on the
-//! scheduler's Python objects: `TaskState.who_has` / `waiters` /
-//! `processing_on` / `nbytes` / `actor` / `state` / `key`,
-//! `WorkerState.has_what`, and the manager's `pending` dict
-//! (`{TaskState: (set[WorkerState], set[WorkerState])}`), which it reads and
-//! fills exactly as the stock manager does.
+//! for the whole run) and the Rust worker table. Its job is the binding's:
+//! gather plain inputs from the scheduler's Python objects
+//! (`TaskState.who_has` / `waiters` / `processing_on` / `nbytes` / `actor` /
+//! `state` / `key`, `WorkerState.has_what`, and the manager's `pending` dict
+//! `{TaskState: (set[WorkerState], set[WorkerState])}`), let `crate::amm`
+//! decide, and write the decisions back into `pending` exactly as the stock
+//! manager fills it. No policy logic lives here.
 //!
 //! Workers are identified by object identity. Workers that are not part of the
 //! run (not in `scheduler.workers` when it started) are ignored where stock
@@ -21,24 +22,12 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyTuple};
 
-use crate::amm::{NoDropper, NoRecipient, WorkerTable};
-
-/// Rejections decided before the table is consulted (stock checks these first).
-const REJECT_NOT_IN_MEMORY: i64 = 21;
-const REJECT_ACTOR: i64 = 22;
-const REJECT_NO_REPLICAS: i64 = 23;
-
-fn recipient_code(e: NoRecipient) -> i64 {
-    e as i64
-}
-
-fn dropper_code(e: NoDropper) -> i64 {
-    e as i64
-}
+use crate::amm::{self, DropRequest, Reject, RetireOutcome, RetireRequest, WorkerTable};
+use crate::py_amm_tracker::ReplicaTracker;
 
 /// Hasher for object addresses: one multiply (addresses are already unique).
 #[derive(Default)]
-struct AddrHasher(u64);
+pub(crate) struct AddrHasher(u64);
 
 impl Hasher for AddrHasher {
     fn finish(&self) -> u64 {
@@ -54,7 +43,7 @@ impl Hasher for AddrHasher {
     }
 }
 
-type AddrMap = HashMap<usize, u32, BuildHasherDefault<AddrHasher>>;
+pub(crate) type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
 
 type Entry<'py> = (Bound<'py, PySet>, Bound<'py, PySet>);
 
@@ -75,15 +64,111 @@ fn split_entry<'py>(value: &Bound<'py, PyAny>) -> PyResult<Entry<'py>> {
     ))
 }
 
+/// `len(obj)`, 0 for None.
+fn len_or_zero(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if obj.is_none() {
+        Ok(0)
+    } else {
+        obj.len()
+    }
+}
+
+/// Stock's `{waiter.processing_on or waiter for waiter in waiters}`, counted.
+fn waiter_places(waiters: &Bound<'_, PyAny>) -> PyResult<usize> {
+    // Only called below amm::MAX_COUNTED_WAITERS waiters: a stack array will do.
+    let py = waiters.py();
+    let mut places = [0usize; amm::MAX_COUNTED_WAITERS];
+    let mut n = 0;
+    for waiter in waiters.try_iter()? {
+        let waiter = waiter?;
+        let on = waiter.getattr(intern!(py, "processing_on"))?;
+        let id = if on.is_truthy()? {
+            on.as_ptr()
+        } else {
+            waiter.as_ptr()
+        } as usize;
+        if !places[..n].contains(&id) {
+            if n == places.len() {
+                return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                    "waiters changed size during the count",
+                ));
+            }
+            places[n] = id;
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// `amm::replicas_to_keep` over a Python `waiters` set (or None).
+pub(crate) fn keep_for(desired: i64, waiters: &Bound<'_, PyAny>) -> PyResult<i64> {
+    let mut err = None;
+    let keep = amm::replicas_to_keep(desired, len_or_zero(waiters)?, || {
+        waiter_places(waiters).unwrap_or_else(|e| {
+            err = Some(e);
+            0
+        })
+    });
+    match err {
+        Some(e) => Err(e),
+        None => Ok(keep),
+    }
+}
+
+/// Number of replicas ReduceReplicas keeps for a task wanting `desired`
+/// replicas whose dependents waiting on it are `waiters` (a set or None):
+/// the one implementation of stock's rule, for Python policies.
+#[pyfunction]
+#[pyo3(signature = (desired, waiters))]
+pub fn replicas_to_keep(desired: i64, waiters: &Bound<'_, PyAny>) -> PyResult<i64> {
+    keep_for(desired, waiters)
+}
+
+/// `{code: message}` of every rejection (see `amm::Reject`).
+pub fn rejections(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let out = PyDict::new(py);
+    for r in Reject::ALL {
+        out.set_item(r.code(), r.message())?;
+    }
+    Ok(out)
+}
+
+/// ReduceReplicas' look at one task: how many drops it suggests.
+pub(crate) struct Evaluated<'py> {
+    pub ts: Bound<'py, PyAny>,
+    who_has: Bound<'py, PyAny>,
+    pub n_holders: i64,
+    /// Drops suggested ignoring this run's pending actions (> 0: over-replicated).
+    pub base_excess: i64,
+    existing: Option<Bound<'py, PyAny>>,
+    /// Drops suggested in this run.
+    pub ndrop: i64,
+}
+
+/// A task ReduceReplicas suggests drops for, with its inputs gathered.
+pub(crate) struct Prepared<'py> {
+    pub ts: Bound<'py, PyAny>,
+    /// Drops suggested ignoring this run's pending actions.
+    pub base_excess: i64,
+    drop_set: Option<Bound<'py, PySet>>,
+    pub request: DropRequest,
+    pub ndrop: i64,
+}
+
 /// One AMM run: the run's workers and their table.
 #[pyclass(module = "dask_shm._core")]
 pub struct AmmRun {
     table: WorkerTable,
     workers: Vec<Py<PyAny>>,
-    index: AddrMap,
+    index: AddrMap<u32>,
     last_reject: i64,
     /// Accepted actions of a deferring bulk policy: (task, worker, is_drop).
     deferred: Vec<(Py<PyAny>, u32, bool)>,
+    /// Tasks a deferring bulk policy suggested something for that had no
+    /// `pending` entry (stock would have created one for each).
+    deferred_tasks: usize,
+    /// Buffers reused across the tasks of a run: (scratch, dropped).
+    buffers: (Vec<u32>, Vec<u32>),
 }
 
 impl AmmRun {
@@ -122,11 +207,16 @@ impl AmmRun {
 
     /// Positions of the workers where dependents (`waiters`) of `ts` are processing.
     fn dependents(&self, ts: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let mut out = Vec::new();
+        self.dependents_into(ts, &mut out)?;
+        Ok(out)
+    }
+
+    fn dependents_into(&self, ts: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> PyResult<()> {
         let py = ts.py();
         let waiters = ts.getattr(intern!(py, "waiters"))?;
-        let mut out = Vec::new();
         if waiters.is_none() {
-            return Ok(out);
+            return Ok(());
         }
         for waiter in waiters.try_iter()? {
             let on = waiter?.getattr(intern!(py, "processing_on"))?;
@@ -136,7 +226,7 @@ impl AmmRun {
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     fn worker<'py>(&self, py: Python<'py>, w: u32) -> Bound<'py, PyAny> {
@@ -154,6 +244,11 @@ impl AmmRun {
     fn in_memory(ts: &Bound<'_, PyAny>) -> PyResult<bool> {
         let state = ts.getattr(intern!(ts.py(), "state"))?;
         Ok(state.extract::<&str>().is_ok_and(|s| s == "memory"))
+    }
+
+    fn reject<'py>(&mut self, r: Reject) -> Option<Bound<'py, PyAny>> {
+        self.last_reject = r.code();
+        None
     }
 
     /// Record an accepted action in its `pending` set, or, without one, in the
@@ -174,30 +269,124 @@ impl AmmRun {
         }
     }
 
-    /// Find, account and record (in `pending_repl`, or deferred if None) a
-    /// recipient for `ts`.
-    fn replicate_into<'py>(
+    /// The `pending` sets a suggestion for `ts` writes to: the existing entry,
+    /// else a new one, else (deferring) none, counting the entry stock would
+    /// have created.
+    fn entry_for<'py>(
         &mut self,
+        pending: &Bound<'py, PyDict>,
         ts: &Bound<'py, PyAny>,
-        candidates: Option<&[u32]>,
-        holders: &[u32],
-        pending_repl: Option<&Bound<'py, PySet>>,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let pending = match pending_repl {
-            Some(set) => self.positions(set.as_any())?,
-            None => Vec::new(),
-        };
-        match self.table.find_recipient(candidates, holders, &pending) {
-            Ok(w) => {
-                self.table.add_replica(w, Self::nbytes(ts)?);
-                self.record(pending_repl, ts, w, false)?;
-                Ok(Some(self.worker(ts.py(), w)))
+        existing: Option<Entry<'py>>,
+        defer: bool,
+    ) -> PyResult<Option<Entry<'py>>> {
+        Ok(match existing {
+            Some(e) => Some(e),
+            None if defer => {
+                self.deferred_tasks += 1;
+                None
             }
-            Err(e) => {
-                self.last_reject = recipient_code(e);
-                Ok(None)
+            None => Some(entry(pending, ts)?),
+        })
+    }
+
+    /// ReduceReplicas' count for `ts` (no side effects): `targets` gives the
+    /// desired replicas (default 1); this run's `pending` actions count.
+    pub(crate) fn evaluate<'py>(
+        ts: Bound<'py, PyAny>,
+        pending: Option<&Bound<'py, PyDict>>,
+        targets: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Evaluated<'py>> {
+        let py = ts.py();
+        let who_has = ts.getattr(intern!(py, "who_has"))?;
+        let n_holders = len_or_zero(&who_has)? as i64;
+        let desired: i64 = match targets.map(|t| t.get_item(&ts)).transpose()?.flatten() {
+            Some(v) => v.extract()?,
+            None => 1,
+        };
+        let keep = keep_for(desired, &ts.getattr(intern!(py, "waiters"))?)?;
+        let base_excess = amm::excess_replicas(n_holders, keep, 0, 0);
+        let existing = match pending {
+            Some(p) if !p.is_empty() => p.get_item(&ts)?,
+            _ => None,
+        };
+        let ndrop = match &existing {
+            Some(e) => {
+                let (r, d) = split_entry(e)?;
+                amm::excess_replicas(n_holders, keep, r.len() as i64, d.len() as i64)
+            }
+            None => base_excess,
+        };
+        Ok(Evaluated {
+            ts,
+            who_has,
+            n_holders,
+            base_excess,
+            existing,
+            ndrop,
+        })
+    }
+
+    /// Gather what `amm::reduce_task` needs for an evaluated task with
+    /// `ndrop > 0`, creating its `pending` entry as stock's first suggestion
+    /// would (or counting it, when deferring).
+    pub(crate) fn prepare<'py>(
+        &mut self,
+        ev: Evaluated<'py>,
+        pending: &Bound<'py, PyDict>,
+        defer: bool,
+        mut request: DropRequest,
+    ) -> PyResult<Prepared<'py>> {
+        let existing = ev.existing.as_ref().map(split_entry).transpose()?;
+        let drop_set = self
+            .entry_for(pending, &ev.ts, existing, defer)?
+            .map(|e| e.1);
+        request.holders.clear();
+        request.pending_drop.clear();
+        request.dependents.clear();
+        request.n_holders = ev.n_holders;
+        request.nbytes = 0;
+        request.actor = ev.n_holders == 0 || Self::is_actor(&ev.ts)?;
+        if !request.actor {
+            self.positions_into(&ev.who_has, &mut request.holders)?;
+            if let Some(set) = &drop_set {
+                self.positions_into(set.as_any(), &mut request.pending_drop)?;
+            }
+            self.dependents_into(&ev.ts, &mut request.dependents)?;
+            request.nbytes = Self::nbytes(&ev.ts)?;
+        }
+        Ok(Prepared {
+            ts: ev.ts,
+            base_excess: ev.base_excess,
+            drop_set,
+            request,
+            ndrop: ev.ndrop,
+        })
+    }
+
+    /// Decide a prepared task (`amm::reduce_task`) and record its drops; with
+    /// `addresses`, returns the addresses of the workers dropping it.
+    pub(crate) fn decide(&mut self, task: &Prepared<'_>, addresses: bool) -> PyResult<Vec<usize>> {
+        let (mut scratch, mut dropped) = std::mem::take(&mut self.buffers);
+        amm::reduce_task_into(
+            &mut self.table,
+            &task.request,
+            task.ndrop,
+            &mut scratch,
+            &mut dropped,
+        );
+        let mut out = Vec::new();
+        for &w in &dropped {
+            self.record(task.drop_set.as_ref(), &task.ts, w, true)?;
+            if addresses {
+                out.push(self.workers[w as usize].as_ptr() as usize);
             }
         }
+        self.buffers = (scratch, dropped);
+        Ok(out)
+    }
+
+    pub(crate) fn table(&self) -> &WorkerTable {
+        &self.table
     }
 }
 
@@ -233,6 +422,8 @@ impl AmmRun {
             index,
             last_reject: 0,
             deferred: Vec::new(),
+            deferred_tasks: 0,
+            buffers: (Vec::new(), Vec::new()),
         })
     }
 
@@ -250,10 +441,18 @@ impl AmmRun {
         PyList::new(py, self.workers.iter().map(|w| w.bind(py)))
     }
 
-    /// Why the last `replicate`/`drop` returned None (a code, see the stubs).
+    /// Why the last `replicate`/`drop` returned None (a key of `AMM_REJECTIONS`).
     #[getter]
     fn last_reject(&self) -> i64 {
         self.last_reject
+    }
+
+    /// Number of tasks a deferring bulk policy made suggestions for without
+    /// creating their `pending` entry: `len(pending) + deferred_tasks` is the
+    /// size stock's `pending` would have.
+    #[getter]
+    fn deferred_tasks(&self) -> usize {
+        self.deferred_tasks
     }
 
     /// Memory of `ws` downstream of accepted actions. Raises KeyError if unknown.
@@ -280,19 +479,29 @@ impl AmmRun {
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let py = ts.py();
         if !Self::in_memory(ts)? {
-            self.last_reject = REJECT_NOT_IN_MEMORY;
-            return Ok(None);
+            return Ok(self.reject(Reject::NotInMemory));
         }
         if Self::is_actor(ts)? {
-            self.last_reject = REJECT_ACTOR;
-            return Ok(None);
+            return Ok(self.reject(Reject::Actor));
         }
         let holders = self.positions(&ts.getattr(intern!(py, "who_has"))?)?;
         let cands = match candidates {
             Some(c) if !c.is_none() => Some(self.positions(c)?),
             _ => None,
         };
-        self.replicate_into(ts, cands.as_deref(), &holders, Some(pending_repl))
+        let pending = self.positions(pending_repl.as_any())?;
+        match self
+            .table
+            .find_recipient(cands.as_deref(), &holders, &pending)
+        {
+            Ok(w) => {
+                self.table.add_replica(w, Self::nbytes(ts)?);
+                let ws = self.worker(py, w);
+                pending_repl.add(&ws)?;
+                Ok(Some(ws))
+            }
+            Err(e) => Ok(self.reject(e)),
+        }
     }
 
     /// Stock `_find_dropper` plus accounting: choose the holder of `ts` among
@@ -309,8 +518,7 @@ impl AmmRun {
         let py = ts.py();
         let who_has = ts.getattr(intern!(py, "who_has"))?;
         if who_has.is_none() {
-            self.last_reject = REJECT_NO_REPLICAS;
-            return Ok(None);
+            return Ok(self.reject(Reject::NoReplicas));
         }
         let holders = self.positions(&who_has)?;
         let pending = self.positions(pending_drop.as_any())?;
@@ -320,8 +528,7 @@ impl AmmRun {
         };
         // Stock checks the replica count before the actor flag.
         if (holders.len() as i64) - (pending.len() as i64) >= 2 && Self::is_actor(ts)? {
-            self.last_reject = REJECT_ACTOR;
-            return Ok(None);
+            return Ok(self.reject(Reject::Actor));
         }
         let deps = self.dependents(ts)?;
         match self
@@ -334,20 +541,16 @@ impl AmmRun {
                 pending_drop.add(&ws)?;
                 Ok(Some(ws))
             }
-            Err(e) => {
-                self.last_reject = dropper_code(e);
-                Ok(None)
-            }
+            Err(e) => Ok(self.reject(e)),
         }
     }
 
-    /// Stock `ReduceReplicas.run`, decided in one pass: for each task of
-    /// `tasks` (normally `scheduler.replicated_tasks`), ask to drop every replica
-    /// beyond `max(desired, waiters)` (desired from `targets`, default 1),
-    /// counting this run's pending actions, and record accepted drops in
-    /// `pending`. With `defer` (no policy runs after this one), only entries
-    /// that already exist are updated; new accepted drops go to the deferred
-    /// log and suggestions create no entries. Returns `(tasks suggested, drops
+    /// Stock `ReduceReplicas.run` over every task of `tasks` (normally
+    /// `scheduler.replicated_tasks`), in its iteration order: `amm::reduce_task`
+    /// for each task with drops to suggest (`desired` replicas from `targets`,
+    /// default 1), accepted drops recorded in `pending`. With `defer` (no policy
+    /// runs after this one), only entries that already exist are updated; new
+    /// accepted drops go to the deferred log. Returns `(tasks suggested, drops
     /// suggested)`.
     #[pyo3(signature = (tasks, pending, targets=None, defer=false))]
     fn reduce_replicas(
@@ -357,101 +560,45 @@ impl AmmRun {
         targets: Option<&Bound<'_, PyDict>>,
         defer: bool,
     ) -> PyResult<(usize, i64)> {
-        let py = tasks.py();
-        let check_pending = !pending.is_empty();
-        let (mut nkeys, mut ndrop_total) = (0usize, 0i64);
-        let mut distinct: Vec<usize> = Vec::new();
-        let mut holders: Vec<u32> = Vec::new();
-        let mut dropping: Vec<u32> = Vec::new();
+        let (mut nkeys, mut ndrop) = (0usize, 0i64);
+        let mut request = DropRequest::default();
         for ts in tasks.try_iter()? {
-            let ts = ts?;
-            let who_has = ts.getattr(intern!(py, "who_has"))?;
-            let n_holders = if who_has.is_none() {
-                0
-            } else {
-                who_has.len()? as i64
-            };
-            let desired: i64 = match targets {
-                Some(t) => match t.get_item(&ts)? {
-                    Some(v) => v.extract()?,
-                    None => 1,
-                },
-                None => 1,
-            };
-            let waiters = ts.getattr(intern!(py, "waiters"))?;
-            let mut nwaiters = if waiters.is_none() {
-                0
-            } else {
-                waiters.len()? as i64
-            };
-            if desired < nwaiters && nwaiters < 20 {
-                // Waiters sharing a worker count once; unassigned ones count each.
-                distinct.clear();
-                for waiter in waiters.try_iter()? {
-                    let waiter = waiter?;
-                    let on = waiter.getattr(intern!(py, "processing_on"))?;
-                    let id = if on.is_truthy()? {
-                        on.as_ptr()
-                    } else {
-                        waiter.as_ptr()
-                    };
-                    distinct.push(id as usize);
-                }
-                distinct.sort_unstable();
-                distinct.dedup();
-                nwaiters = distinct.len() as i64;
-            }
-            let mut ndrop = n_holders - desired.max(nwaiters);
-            let existing = if check_pending {
-                pending.get_item(&ts)?
-            } else {
-                None
-            };
-            if let Some(e) = &existing {
-                let (r, d) = split_entry(e)?;
-                ndrop += r.len() as i64 - d.len() as i64;
-            }
-            if ndrop <= 0 {
-                continue;
-            }
-            nkeys += 1;
-            ndrop_total += ndrop;
-            let drop_set = match existing {
-                Some(e) => Some(split_entry(&e)?.1),
-                None if defer => None,
-                None => Some(entry(pending, &ts)?.1),
-            };
-            if n_holders == 0 || Self::is_actor(&ts)? {
-                continue; // every suggestion is rejected
-            }
-            holders.clear();
-            self.positions_into(&who_has, &mut holders)?;
-            dropping.clear();
-            if let Some(set) = &drop_set {
-                self.positions_into(set.as_any(), &mut dropping)?;
-            }
-            let deps = self.dependents(&ts)?;
-            let nbytes = Self::nbytes(&ts)?;
-            for _ in 0..ndrop {
-                // A rejection leaves the state unchanged: the rest would be too.
-                let Ok(w) = self.table.find_dropper(&holders, &dropping, None, &deps) else {
-                    break;
-                };
-                self.table.drop_replica(w, nbytes);
-                self.record(drop_set.as_ref(), &ts, w, true)?;
-                dropping.push(w);
+            let ev = Self::evaluate(ts?, Some(pending), targets)?;
+            if ev.ndrop > 0 {
+                nkeys += 1;
+                ndrop += ev.ndrop;
+                let task = self.prepare(ev, pending, defer, request)?;
+                self.decide(&task, false)?;
+                request = task.request;
             }
         }
-        Ok((nkeys, ndrop_total))
+        Ok((nkeys, ndrop))
+    }
+
+    /// As `reduce_replicas`, but only looking at the tasks `tracker` says may
+    /// have drops to suggest (see `ReplicaTracker`). Same decisions, same
+    /// `pending`; with `validate`, also checks the tracker against a full scan
+    /// (AssertionError on a mismatch).
+    #[pyo3(signature = (tracker, tasks, pending, targets=None, defer=false, validate=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_replicas_tracked(
+        &mut self,
+        tracker: &Bound<'_, ReplicaTracker>,
+        tasks: &Bound<'_, PyAny>,
+        pending: &Bound<'_, PyDict>,
+        targets: Option<&Bound<'_, PyDict>>,
+        defer: bool,
+        validate: bool,
+    ) -> PyResult<(usize, i64)> {
+        tracker
+            .borrow_mut()
+            .reduce_replicas(self, tasks, pending, targets, defer, validate)
     }
 
     /// Stock `RetireWorker.run` for worker `ws` (which must be in the run),
-    /// decided in one pass over `ws.has_what`: replicated keys are offered for
-    /// dropping from `ws`; keys that stay unique (or whose other replicas are all
-    /// on workers that are not running) are replicated to the least loaded
-    /// running worker unless a replication is already pending. Records
-    /// everything in `pending` (`defer`: as in `reduce_replicas`). Returns
-    /// `(keys to move, keys with no recipient)`.
+    /// decided in one pass over `ws.has_what` (`amm::retire_task` per task).
+    /// Records everything in `pending` (`defer`: as in `reduce_replicas`).
+    /// Returns `(keys to move, keys with no recipient)`.
     #[pyo3(signature = (ws, pending, defer=false))]
     fn retire_worker(
         &mut self,
@@ -462,78 +609,52 @@ impl AmmRun {
         let py = ws.py();
         let w = self.pos_or_key_error(ws)?;
         let check_pending = !pending.is_empty();
-        let only_ws = [w];
         let (mut nrepl, mut nno_rec) = (0usize, 0usize);
-        let mut holders: Vec<u32> = Vec::new();
-        let mut dropping: Vec<u32> = Vec::new();
+        let mut task = RetireRequest::default();
         for ts in ws.getattr(intern!(py, "has_what"))?.try_iter()? {
             let ts = ts?;
             if Self::is_actor(&ts)? {
                 continue;
             }
             let who_has = ts.getattr(intern!(py, "who_has"))?;
-            let n_holders = if who_has.is_none() { 0 } else { who_has.len()? };
-            holders.clear();
-            self.positions_into(&who_has, &mut holders)?;
-            // Some(entry or None if deferring and absent) once looked up.
-            let mut known: Option<Option<Entry<'_>>> = None;
-            if n_holders > 1 {
-                let found = if defer {
-                    match check_pending
-                        .then(|| pending.get_item(&ts))
-                        .transpose()?
-                        .flatten()
-                    {
-                        Some(e) => Some(split_entry(&e)?),
-                        None => None,
-                    }
-                } else {
-                    Some(entry(pending, &ts)?)
-                };
-                dropping.clear();
-                if let Some((_, drop_set)) = &found {
-                    self.positions_into(drop_set.as_any(), &mut dropping)?;
-                }
-                let deps = self.dependents(&ts)?;
-                if let Ok(d) = self
-                    .table
-                    .find_dropper(&holders, &dropping, Some(&only_ws), &deps)
-                {
-                    self.table.drop_replica(d, Self::nbytes(&ts)?);
-                    self.record(found.as_ref().map(|e| &e.1), &ts, d, true)?;
-                    continue;
-                }
-                if holders.iter().any(|&h| self.table.eligible(h)) {
-                    continue; // a running worker keeps a replica
-                }
-                known = Some(found);
-            }
-            nrepl += 1;
-            let repl_set = match known {
-                Some(found) => found.map(|e| e.0),
-                None if check_pending => match pending.get_item(&ts)? {
-                    Some(e) => Some(split_entry(&e)?.0),
-                    None => None,
-                },
-                None => None,
+            task.n_holders = len_or_zero(&who_has)?;
+            task.holders.clear();
+            self.positions_into(&who_has, &mut task.holders)?;
+            let existing = if check_pending {
+                pending
+                    .get_item(&ts)?
+                    .as_ref()
+                    .map(split_entry)
+                    .transpose()?
+            } else {
+                None
             };
-            if repl_set.as_ref().is_some_and(|r| !r.is_empty()) {
-                continue; // another policy already asked for a replica
+            task.pending_repl = existing.as_ref().is_some_and(|e| !e.0.is_empty());
+            task.pending_drop.clear();
+            task.dependents.clear();
+            if task.n_holders > 1 {
+                if let Some((_, d)) = &existing {
+                    self.positions_into(d.as_any(), &mut task.pending_drop)?;
+                }
+                task.dependents = self.dependents(&ts)?;
             }
-            let repl_set = match repl_set {
-                Some(set) => Some(set),
-                None if defer => None,
-                None => Some(entry(pending, &ts)?.0),
-            };
-            if !Self::in_memory(&ts)? {
-                nno_rec += 1;
-                continue;
+            task.in_memory = Self::in_memory(&ts)?;
+            task.nbytes = Self::nbytes(&ts)?;
+            let outcome = amm::retire_task(&mut self.table, w, &task);
+            // Stock suggests something for every task it gets here.
+            let sets = self.entry_for(pending, &ts, existing, defer)?;
+            match outcome {
+                RetireOutcome::Dropped(d) => {
+                    self.record(sets.as_ref().map(|e| &e.1), &ts, d, true)?
+                }
+                RetireOutcome::Replicated(r) => {
+                    self.record(sets.as_ref().map(|e| &e.0), &ts, r, false)?
+                }
+                RetireOutcome::NoRecipient(_) => nno_rec += 1,
+                RetireOutcome::KeptElsewhere | RetireOutcome::AlreadyPending => {}
             }
-            if self
-                .replicate_into(&ts, None, &holders, repl_set.as_ref())?
-                .is_none()
-            {
-                nno_rec += 1;
+            if outcome.moves() {
+                nrepl += 1;
             }
         }
         Ok((nrepl, nno_rec))

@@ -30,6 +30,9 @@ class FakeScheduler:
     periodic_callbacks: dict[str, Any] = field(default_factory=dict)
     extensions: dict[str, Any] = field(default_factory=dict)
     validate: bool = True
+    plugins: dict[str, Any] = field(default_factory=dict)
+    #: request_remove_replicas removes the replicas at once, as the real scheduler.
+    apply_drops: bool = False
     memory: MemoryState = field(
         default_factory=lambda: MemoryState(process=0, unmanaged_old=0, managed=0, spilled=0)
     )
@@ -41,6 +44,48 @@ class FakeScheduler:
 
     def request_remove_replicas(self, addr: str, keys: list, *, stimulus_id: str) -> None:
         self.enacted.extend(("drop", addr, k) for k in keys)
+        if self.apply_drops:
+            for k in keys:
+                self.remove_replica(self.tasks[k], self.workers[addr])
+
+    # The replica bookkeeping of ``distributed.scheduler.SchedulerState``.
+    def add_replica(self, ts: TaskState, ws: WorkerState) -> None:
+        if ts.who_has is None:
+            ts.who_has = set()
+        if ws in ts.who_has:
+            return
+        ts.who_has.add(ws)
+        ws._has_what[ts] = None
+        if len(ts.who_has) == 2:
+            self.replicated_tasks.add(ts)
+
+    def remove_replica(self, ts: TaskState, ws: WorkerState) -> None:
+        del ws._has_what[ts]
+        ts.who_has.remove(ws)  # type: ignore[union-attr]
+        if not ts.who_has:
+            ts.who_has = None
+        if len(ts.who_has or ()) == 1:
+            self.replicated_tasks.remove(ts)
+
+    def remove_all_replicas(self, ts: TaskState) -> None:
+        if not ts.who_has:
+            return
+        for ws in ts.who_has:
+            del ws._has_what[ts]
+        if len(ts.who_has) > 1:
+            self.replicated_tasks.remove(ts)
+        ts.who_has = None
+
+    def send_task_to_worker(self, worker: str, ts: TaskState) -> None:
+        pass
+
+    def add_plugin(self, plugin: Any, *, idempotent: bool = False, name: str | None = None) -> None:
+        self.plugins[name or plugin.name] = plugin
+
+    def transition(self, key: str, start: str, finish: str) -> None:
+        """Tell the plugins, as ``Scheduler._transition`` does."""
+        for plugin in list(self.plugins.values()):
+            plugin.transition(key, start, finish, stimulus_id="fake")
 
     def take(self) -> set[tuple[str, str, str]]:
         """The enacted decisions so far, as a set; clears the record."""
@@ -69,22 +114,40 @@ class FakeScheduler:
     def add_task(self, key: str, nbytes: int, holders: list[WorkerState]) -> TaskState:
         ts = TaskState(key, None, "memory", _GROUP, validate=False)  # type: ignore[arg-type]
         ts.nbytes = nbytes
-        for ws in holders:
-            ws._has_what[ts] = None
-            if ts.who_has is None:
-                ts.who_has = set()
-            ts.who_has.add(ws)
-        if len(holders) > 1:
-            self.replicated_tasks.add(ts)
         self.tasks[key] = ts
+        for ws in holders:
+            self.add_replica(ts, ws)
         return ts
 
-    def add_waiter(self, ts: TaskState, key: str, processing_on: WorkerState | None) -> None:
-        waiter = TaskState(key, None, "processing", _GROUP, validate=False)  # type: ignore[arg-type]
+    def add_waiter(self, ts: TaskState, key: str, processing_on: WorkerState | None) -> TaskState:
+        """A dependent of ``ts`` waiting for it, processing on ``processing_on``
+        (or not yet assigned), made known through a transition."""
+        state = "processing" if processing_on is not None else "waiting"
+        waiter = TaskState(key, None, state, _GROUP, validate=False)  # type: ignore[arg-type]
         waiter.processing_on = processing_on
+        waiter.dependencies.add(ts)
+        ts.dependents.add(waiter)
         if ts.waiters is None:
             ts.waiters = set()
         ts.waiters.add(waiter)
+        self.tasks[key] = waiter
+        self.transition(key, "released", state)
+        return waiter
+
+    def finish_waiter(self, waiter: TaskState) -> None:
+        """``waiter`` completes: it no longer waits for its dependencies."""
+        start = waiter.state
+        waiter.processing_on = None
+        waiter.state = "memory"
+        for dts in waiter.dependencies:
+            if dts.waiters:
+                dts.waiters.discard(waiter)
+        self.transition(waiter.key, start, "memory")
+
+    def steal(self, waiter: TaskState, thief: WorkerState) -> None:
+        """Work stealing moves ``waiter``: no transition (as in distributed)."""
+        waiter.processing_on = thief
+        self.send_task_to_worker(thief.address, waiter)
 
 
 _GROUP = TaskGroup("x", TaskPrefix("x"))

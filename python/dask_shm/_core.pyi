@@ -141,7 +141,44 @@ def pages_unmodified(addr: int, length: int) -> bool:
     in a live private file mapping. Raises OSError if pagemap is unreadable.
     """
 
-# --- Active Memory Manager (rust/py_amm.rs) ---
+# --- Active Memory Manager (rust/amm.rs decides; rust/py_amm*.rs bind) ---
+
+#: ``{code: message}`` for every rejection code ``AmmRun.last_reject`` can hold: the
+#: single definition of the codes (``amm::Reject``). Messages are stock's log
+#: messages, as ``str.format`` templates over the task's ``state``; empty where stock
+#: rejects silently (a drop of a task without replicas).
+AMM_REJECTIONS: dict[int, str]
+#: Below this many waiters ReduceReplicas counts the places they wait at.
+AMM_MAX_COUNTED_WAITERS: int
+
+def replicas_to_keep(desired: int, waiters: Iterable[Any] | None) -> int:
+    """Replicas stock's ReduceReplicas keeps for a task wanting ``desired`` whose
+    waiting dependents are ``waiters``: ``max(desired, waiters)``, waiters counted
+    by distinct place (``processing_on`` or the waiter) when ``desired < n <
+    AMM_MAX_COUNTED_WAITERS``."""
+
+@final
+class ReplicaTracker:
+    """The over-replicated tasks and the tasks changed since the last run, kept in
+    Rust between ReduceReplicas runs (``AmmRun.reduce_replicas_tracked``), so a run
+    looks only at those, the tasks with pending actions and KeepReplicas targets.
+    The first run, a new ``replicated_tasks`` object, ``request_rescan`` and too
+    many changes fall back to a full scan. Weak-referenceable."""
+
+    def __init__(self) -> None: ...
+    def touch(self, ts: Any) -> None:
+        """``ts``'s replicas (or waiters) may have changed."""
+    def touch_removed(self, ts: Any, ws: Any) -> None:
+        """``ws`` no longer holds ``ts``: a change, unless it enacts a drop the last
+        run decided (then the tracker already knows the outcome)."""
+    def touch_dependencies(self, ts: Any) -> None:
+        """``ts`` changed state or worker: touch it and each of its dependencies."""
+    def request_rescan(self) -> None: ...
+    @property
+    def over_replicated(self) -> int: ...
+    @property
+    def last_run(self) -> tuple[bool, int, bool]:
+        """(full scan, tasks looked at, ordered by a pass over replicated_tasks)."""
 
 @final
 class AmmRun:
@@ -151,10 +188,7 @@ class AmmRun:
     matched by identity) and on the manager's ``pending`` dict
     (``{TaskState: (set[WorkerState], set[WorkerState])}``). Tie rule: among workers
     tied on stock's sort key, the one listed first in ``workers`` wins. Rejection
-    codes (``last_reject``): 1 no running candidates, 2 all candidates hold a replica,
-    3 all pending replication, 11 fewer than 2 replicas would remain, 12 no candidate
-    holds a replica, 13 all pending drop, 14 all have dependents processing, 15
-    ping-pong guard, 21 task not in memory, 22 task is an actor, 23 no replicas.
+    codes (``last_reject``): the keys of ``AMM_REJECTIONS``.
     """
 
     def __init__(
@@ -171,6 +205,10 @@ class AmmRun:
     def workers(self) -> list[Any]: ...
     @property
     def last_reject(self) -> int: ...
+    @property
+    def deferred_tasks(self) -> int:
+        """Tasks a deferring bulk policy suggested something for without creating
+        their ``pending`` entry (``len(pending) + deferred_tasks`` = stock's size)."""
     def memory(self, ws: Any) -> int:
         """Memory downstream of accepted actions; KeyError if ``ws`` is unknown."""
     def set_memory(self, ws: Any, value: int) -> None: ...
@@ -191,6 +229,18 @@ class AmmRun:
         """Stock ReduceReplicas in one pass; returns (tasks suggested, drops suggested).
         ``defer``: new accepted actions are kept for ``group_actions`` instead of
         ``pending`` (for the last policy of a run)."""
+    def reduce_replicas_tracked(
+        self,
+        tracker: ReplicaTracker,
+        tasks: Iterable[Any],
+        pending: dict[Any, Any],
+        targets: dict[Any, int] | None = None,
+        defer: bool = False,
+        validate: bool = False,
+    ) -> tuple[int, int]:
+        """``reduce_replicas`` looking only at what ``tracker`` says may have drops
+        to suggest; same decisions. ``validate``: AssertionError if a full scan
+        disagrees with the tracker."""
     def retire_worker(
         self, ws: Any, pending: dict[Any, Any], defer: bool = False
     ) -> tuple[int, int]:

@@ -3,7 +3,10 @@
 Each runner issues exactly the suggestions the policy's generator would yield, in the
 same order and with the same dependence on earlier choices, but walks the scheduler's
 objects and decides every suggestion in one Rust pass (``AmmRun.reduce_replicas`` /
-``AmmRun.retire_worker``) instead of one generator round trip per suggestion. Side
+``AmmRun.retire_worker``) instead of one generator round trip per suggestion.
+ReduceReplicas looks only at the tasks the manager's ``ReplicaTracker`` says may
+have drops to suggest (see :mod:`dask_shm.amm.tracking`), where the scheduler allows
+hooks. Side
 effects on the policy (``no_recipients``, removal from ``manager.policies``) and log
 records are the stock ones.
 
@@ -38,9 +41,21 @@ def run_reduce_replicas(
     """Bulk equivalent of ``ReduceReplicas.run`` (KeepReplicas targets honoured).
     ``last``: no policy runs after this one in the current run."""
     targets = replica_targets(manager) or None
-    nkeys, ndrop = manager._run.reduce_replicas(
-        manager.scheduler.replicated_tasks, manager.pending, targets, last
-    )
+    scheduler = manager.scheduler
+    tracker = manager._replica_tracker()
+    if tracker is None:
+        nkeys, ndrop = manager._run.reduce_replicas(
+            scheduler.replicated_tasks, manager.pending, targets, last
+        )
+    else:
+        nkeys, ndrop = manager._run.reduce_replicas_tracked(
+            tracker,
+            scheduler.replicated_tasks,
+            manager.pending,
+            targets,
+            last,
+            bool(getattr(scheduler, "validate", False)),
+        )
     if ndrop:
         policy_logger.debug(
             "ReduceReplicas: Dropping %d superfluous replicas of %d tasks", ndrop, nkeys

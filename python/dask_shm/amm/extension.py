@@ -37,28 +37,32 @@ from distributed.core import Status
 from distributed.metrics import time
 from distributed.utils import log_errors
 
-from dask_shm._core import AmmRun
+from dask_shm._core import AMM_REJECTIONS, AmmRun, ReplicaTracker
 
 if TYPE_CHECKING:
-    from distributed.scheduler import WorkerState
+    from distributed.scheduler import TaskState, WorkerState
 
-logger = logging.getLogger("dask_shm.amm")
-task_logger = logging.getLogger("dask_shm.amm.tasks")
+#: Stock's loggers, with stock's messages: people configure exactly these to debug
+#: the AMM (``distributed.logging``), and distributed's own tests capture them.
+logger = stock.logger
+task_logger = stock.task_logger
 
-#: Reasons the Rust table gives for rejecting a suggestion (negated codes).
-REJECTIONS = {
-    1: "no running candidates",
-    2: "all candidates already own a replica",
-    3: "already pending replication on all candidates",
-    11: "less than 2 replicas exist",
-    12: "no candidates suggested by the policy own a replica",
-    13: "already pending drop on all candidates",
-    14: "all candidates have dependent tasks queued or running on them",
-    15: "there is only one replica on workers that aren't paused or retiring",
-    21: "task is not in memory",
-    22: "task is an actor",
-    23: "task has no replicas",
-}
+
+def log_choice(
+    op: str, ts: TaskState, candidates: object, choice: WorkerState | None, reject: int
+) -> None:
+    """Stock's per-suggestion DEBUG record on ``distributed.active_memory_manager.tasks``."""
+    if choice is not None:
+        verb = "replicating to" if op == "replicate" else "dropping from"
+        task_logger.debug("(%s, %s, %s): %s %s", op, ts, candidates, verb, choice)
+        return
+    # AMM_REJECTIONS (defined once, in rust/amm.rs): code -> stock's message, a
+    # str.format template over the task's state; empty where stock logs nothing.
+    message = AMM_REJECTIONS.get(reject)
+    if message:
+        message = message.format(state=ts.state)
+        task_logger.debug("(%s, %s, %s) rejected: %s", op, ts, candidates, message)
+
 
 Pending = tuple[set["WorkerState"], set["WorkerState"]]
 
@@ -106,11 +110,31 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
     workers_memory: WorkersMemory  # type: ignore[assignment]
     #: The run's Rust state; only exists within :meth:`run_once`.
     _run: AmmRun
+    #: What changed since the last ReduceReplicas run (None: not subscribed yet).
+    _tracker: ReplicaTracker | None = None
+    #: The scheduler cannot be hooked: ReduceReplicas scans everything every run.
+    _untrackable: bool = False
+
+    def _replica_tracker(self) -> ReplicaTracker | None:
+        """This manager's tracker of replica changes, subscribed to the scheduler's
+        hooks on first use; None if the scheduler cannot be hooked (then
+        ReduceReplicas scans every replicated task, as stock)."""
+        if self._tracker is None and not self._untrackable:
+            from dask_shm.amm.tracking import subscribe
+
+            self._tracker = subscribe(self.scheduler)
+            self._untrackable = self._tracker is None
+        return self._tracker
 
     @log_errors
     def run_once(self) -> None:
         """Run all policies once, then send the accepted replications and drops to the
         workers (fire and forget).
+
+        Logs what stock logs, on stock's loggers (``distributed.active_memory_manager``
+        and its ``.tasks`` child). While the per-task logger is enabled for DEBUG,
+        every policy goes through the generator protocol, so that each suggestion is
+        logged as stock logs it (slower, as stock is at that level).
 
         The cyclic garbage collector is paused for the duration of the run (the run
         allocates many short-lived containers and no cycles); it is re-enabled after,
@@ -150,9 +174,10 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
         from dask_shm.amm._bulk import bulk_runner
 
         policies = list(self.policies)  # a policy may remove itself
+        per_task_log = task_logger.isEnabledFor(logging.DEBUG)
         for i, policy in enumerate(policies):
             logger.debug("Running policy: %s", policy)
-            runner = bulk_runner(policy)
+            runner = None if per_task_log else bulk_runner(policy)
             if runner is not None:
                 # The last policy may leave new actions out of ``pending``: no other
                 # policy will look, and enactment reads them from the Rust run.
@@ -183,18 +208,17 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
                 choice = run.drop(ts, candidates, entry[1])
             else:
                 raise ValueError(f"Unknown op: {op!r}; expected 'replicate' or 'drop'")
-            if choice is None and task_logger.isEnabledFor(logging.DEBUG):
-                task_logger.debug(
-                    "(%s, %s, %s) rejected: %s",
-                    op,
-                    ts,
-                    candidates,
-                    REJECTIONS.get(run.last_reject, run.last_reject),
-                )
+            if task_logger.isEnabledFor(logging.DEBUG):
+                log_choice(op, ts, candidates, choice, run.last_reject)
 
     def _enact_suggestions(self) -> None:
-        """Send every accepted replication and drop in ``pending`` to its worker,
-        one message per worker and kind. Returns immediately."""
+        """Send every accepted replication and drop (in ``pending`` and deferred in
+        the Rust run) to its worker, one message per worker and kind. Returns
+        immediately. Nothing is logged when no task got a suggestion (as stock)."""
+        ntasks = len(self.pending) + self._run.deferred_tasks
+        if not ntasks:
+            return
+        logger.debug("Enacting suggestions for %d tasks:", ntasks)
         repl, drop = self._run.group_actions(self.pending, bool(self.scheduler.validate))
         stimulus_id = f"active_memory_manager-{time()}"
         for ws, keys in repl:

@@ -25,6 +25,8 @@ from distributed.active_memory_manager import (
     SuggestionGenerator,
 )
 
+from dask_shm._core import replicas_to_keep
+
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState
 
@@ -147,14 +149,10 @@ def replica_targets(manager: Any) -> dict[TaskState, int]:
 def excess_replicas(pending: dict, ts: TaskState, desired: int) -> int:
     """How many replicas of ``ts`` ReduceReplicas asks to drop, given ``desired``.
 
-    Same arithmetic as stock: extra replicas are kept for up to 19 waiters not yet
-    sharing a worker, and pending replications/drops of this run are counted.
+    Same arithmetic as stock (the waiter rule is the Rust core's
+    ``replicas_to_keep``), and pending replications/drops of this run are counted.
     """
-    waiters = ts.waiters
-    nwaiters = len(waiters) if waiters else 0
-    if desired < nwaiters < 20:
-        nwaiters = len({w.processing_on or w for w in waiters})  # type: ignore[union-attr]
-    ndrop = len(ts.who_has) - max(desired, nwaiters)  # type: ignore[arg-type]
+    ndrop = len(ts.who_has or ()) - replicas_to_keep(desired, ts.waiters)
     entry = pending.get(ts)
     if entry is not None:
         ndrop += len(entry[0]) - len(entry[1])

@@ -1,0 +1,130 @@
+"""Scheduler hooks that tell :class:`dask_shm._core.ReplicaTracker` what changed.
+
+A task's count of replicas to drop (stock ``ReduceReplicas``) depends on its
+``who_has``, its ``waiters`` and where those are processing. In ``distributed``:
+
+- ``who_has`` changes only through ``Scheduler.add_replica`` / ``remove_replica`` /
+  ``remove_all_replicas`` (task completion, ``add-keys`` from workers after a
+  fetch, ``request_remove_replicas``, worker removal). A scheduler plugin would not
+  see the ``add-keys`` ones (they are not transitions), so these three methods are
+  wrapped on the scheduler instance.
+- ``waiters`` of a task change when one of its dependents transitions, and a
+  dependent's ``processing_on`` changes on its transitions or when work stealing
+  moves it (``send_task_to_worker`` without a transition). So a
+  ``SchedulerPlugin.transition`` and a wrapped ``send_task_to_worker`` touch the
+  task and its dependencies (stock puts a forgotten task's dependencies back for
+  plugins).
+
+A scheduler that lacks any of these methods gets no hooks; its managers then scan
+every replicated task on every run, as stock does. With ``scheduler.validate``,
+every tracked run is checked against a full scan (see
+``AmmRun.reduce_replicas_tracked``), so distributed's own tests check the hooks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dask_shm._core import ReplicaTracker
+
+#: Attribute of the scheduler holding its :class:`ReplicaHooks`.
+HOOKS_ATTRIBUTE = "_dask_shm_replica_hooks"
+_NEEDED = (
+    "add_replica",
+    "remove_replica",
+    "remove_all_replicas",
+    "send_task_to_worker",
+    "add_plugin",
+)
+
+
+class ReplicaHooks(SchedulerPlugin):
+    """Forwards replica and waiter changes of one scheduler to its trackers.
+
+    Trackers are held weakly: a manager's tracker stops receiving changes when the
+    manager is gone.
+    """
+
+    name = "dask-shm-amm-replica-hooks"
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        # Plain weak references, not a WeakSet: iterating a WeakSet costs more
+        # than the touch itself, and this runs on every replica change.
+        self._trackers: list[weakref.ref[ReplicaTracker]] = []
+
+    def add(self, tracker: ReplicaTracker) -> None:
+        """Send changes to ``tracker`` for as long as it lives."""
+        self._trackers.append(weakref.ref(tracker, self._trackers.remove))
+
+    def touch(self, ts: Any) -> None:
+        for ref in self._trackers:
+            tracker = ref()
+            if tracker is not None:
+                tracker.touch(ts)
+
+    def touch_removed(self, ts: Any, ws: Any) -> None:
+        for ref in self._trackers:
+            tracker = ref()
+            if tracker is not None:
+                tracker.touch_removed(ts, ws)
+
+    def touch_dependencies(self, ts: Any) -> None:
+        for ref in self._trackers:
+            tracker = ref()
+            if tracker is not None:
+                tracker.touch_dependencies(ts)
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if self._trackers:
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None:
+                self.touch_dependencies(ts)
+
+
+def replica_hooks(scheduler: Any) -> ReplicaHooks | None:
+    """The scheduler's :class:`ReplicaHooks`, installed on first call; None if the
+    scheduler lacks a method they need (its managers then rescan every run)."""
+    hooks = getattr(scheduler, HOOKS_ATTRIBUTE, None)
+    if isinstance(hooks, ReplicaHooks):
+        return hooks
+    if not all(callable(getattr(scheduler, name, None)) for name in _NEEDED):
+        return None
+    hooks = ReplicaHooks(scheduler)
+    _wrap(scheduler, "add_replica", lambda ts, *_a, **_k: hooks.touch(ts))
+    _wrap(scheduler, "remove_replica", lambda ts, ws, *_a, **_k: hooks.touch_removed(ts, ws))
+    _wrap(scheduler, "remove_all_replicas", lambda ts, *_a, **_k: hooks.touch(ts))
+    _wrap(
+        scheduler,
+        "send_task_to_worker",
+        lambda _worker, ts, *_a, **_k: hooks.touch_dependencies(ts),
+    )
+    scheduler.add_plugin(hooks, name=ReplicaHooks.name)
+    setattr(scheduler, HOOKS_ATTRIBUTE, hooks)
+    return hooks
+
+
+def _wrap(scheduler: Any, name: str, before: Any) -> None:
+    """Make ``scheduler.<name>`` call ``before`` with the same arguments first."""
+    original = getattr(scheduler, name)
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        before(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    hooked.__name__ = hooked.__qualname__ = name
+    hooked.__doc__ = original.__doc__
+    setattr(scheduler, name, hooked)
+
+
+def subscribe(scheduler: Any) -> ReplicaTracker | None:
+    """A new tracker receiving the changes of ``scheduler``; None without hooks."""
+    hooks = replica_hooks(scheduler)
+    if hooks is None:
+        return None
+    tracker = ReplicaTracker()
+    hooks.add(tracker)
+    return tracker

@@ -1,0 +1,370 @@
+//! `dask_shm._core.ReplicaTracker`: which replicated tasks a ReduceReplicas
+//! run must look at, kept between runs.
+//!
+//! Stock's ReduceReplicas walks every task of `scheduler.replicated_tasks` on
+//! every run. Between two runs, a task's count of drops to suggest changes only
+//! if its replicas, its waiters (or where they are processing) or its desired
+//! count change. The tracker keeps, in Rust, the tasks that had drops to
+//! suggest at the last look (the over-replicated set) and the tasks reported
+//! changed since (`touch`, `touch_dependencies`, called by the scheduler hooks
+//! in `dask_shm.amm.tracking`). A run looks at those, at the tasks with
+//! actions pending in this run and at `KeepReplicas` targets (old and new), so
+//! it costs time proportional to them, not to `replicated_tasks`.
+//!
+//! Decisions are those of a full scan: when two or more tasks get drops and
+//! their choices could depend on the order they are decided in (see
+//! `amm::order_independent`), one pointer-only pass over `replicated_tasks`
+//! recovers stock's order. The first run, a replaced `replicated_tasks` object,
+//! `request_rescan`, more than `DIRTY_LIMIT` changed tasks (which also bounds
+//! what the tracker keeps alive while the AMM is stopped) and a full scan that
+//! found more than `OVER_LIMIT` over-replicated tasks fall back to a full scan.
+
+use pyo3::exceptions::PyAssertionError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::amm::{self, DropRequest};
+use crate::py_amm::{AddrMap, AmmRun, Prepared};
+
+/// More changed tasks than this between two runs: forget them and rescan.
+const DIRTY_LIMIT: usize = 1 << 16;
+/// A full scan finding more over-replicated tasks than this stops keeping them
+/// (which would slow the scan down) and leaves the next run a full scan too.
+const OVER_LIMIT: usize = 1 << 14;
+
+/// What the last run did (for tests and benchmarks).
+#[derive(Debug, Clone, Copy, Default)]
+struct RunStats {
+    full_scan: bool,
+    looked_at: usize,
+    ordered_by_scan: bool,
+}
+
+/// The over-replicated tasks and the tasks changed since the last run.
+#[pyclass(module = "dask_shm._core", weakref)]
+pub struct ReplicaTracker {
+    /// Drops decided by the last run and not yet seen enacted:
+    /// task -> (task, its base excess, dropping workers left, drops seen).
+    expected: AddrMap<Expected>,
+    over: AddrMap<Py<PyAny>>,
+    dirty: AddrMap<Py<PyAny>>,
+    targets: AddrMap<Py<PyAny>>,
+    rescan: bool,
+    /// The `replicated_tasks` object of the last run (kept alive, so its
+    /// address cannot be reused by another object).
+    tasks: Option<Py<PyAny>>,
+    last: RunStats,
+}
+
+struct Expected {
+    ts: Py<PyAny>,
+    base_excess: i64,
+    workers: Vec<usize>,
+    seen: i64,
+}
+
+fn addr(obj: &Bound<'_, PyAny>) -> usize {
+    obj.as_ptr() as usize
+}
+
+#[pymethods]
+impl ReplicaTracker {
+    /// A tracker whose first run scans everything.
+    #[new]
+    fn new() -> Self {
+        ReplicaTracker {
+            expected: AddrMap::default(),
+            over: AddrMap::default(),
+            dirty: AddrMap::default(),
+            targets: AddrMap::default(),
+            rescan: true,
+            tasks: None,
+            last: RunStats::default(),
+        }
+    }
+
+    /// Report that `ts`'s replicas (or waiters) may have changed.
+    fn touch(&mut self, ts: &Bound<'_, PyAny>) {
+        if self.rescan {
+            return; // the next run looks at everything anyway
+        }
+        if self.dirty.len() >= DIRTY_LIMIT {
+            self.dirty.clear();
+            self.rescan = true;
+            return;
+        }
+        self.dirty.insert(addr(ts), ts.clone().unbind());
+    }
+
+    /// Report that worker `ws` no longer holds `ts`. A drop the last run
+    /// decided (being enacted) changes nothing the tracker does not already
+    /// know; anything else is a change.
+    fn touch_removed(&mut self, ts: &Bound<'_, PyAny>, ws: &Bound<'_, PyAny>) {
+        if let Some(e) = self.expected.get_mut(&addr(ts)) {
+            if let Some(i) = e.workers.iter().position(|&w| w == addr(ws)) {
+                e.workers.swap_remove(i);
+                e.seen += 1;
+                return;
+            }
+        }
+        self.touch(ts);
+    }
+
+    /// Report that `ts` changed state or worker: its own facts and the waiters
+    /// of each of its dependencies may have changed.
+    fn touch_dependencies(&mut self, ts: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.touch(ts);
+        let deps = ts.getattr(intern!(ts.py(), "dependencies"))?;
+        if !deps.is_none() {
+            for dts in deps.try_iter()? {
+                self.touch(&dts?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Make the next run scan every replicated task.
+    fn request_rescan(&mut self) {
+        self.rescan = true;
+        self.dirty.clear();
+        self.expected.clear();
+    }
+
+    /// Number of tasks that had drops to suggest at the last look.
+    #[getter]
+    fn over_replicated(&self) -> usize {
+        self.over.len()
+    }
+
+    /// `(full scan, tasks looked at, ordered by a pass over replicated_tasks)`
+    /// for the last run.
+    #[getter]
+    fn last_run(&self) -> (bool, usize, bool) {
+        (
+            self.last.full_scan,
+            self.last.looked_at,
+            self.last.ordered_by_scan,
+        )
+    }
+}
+
+impl ReplicaTracker {
+    /// One ReduceReplicas policy run on `run`; see `AmmRun.reduce_replicas`.
+    pub(crate) fn reduce_replicas(
+        &mut self,
+        run: &mut AmmRun,
+        tasks: &Bound<'_, PyAny>,
+        pending: &Bound<'_, PyDict>,
+        targets: Option<&Bound<'_, PyDict>>,
+        defer: bool,
+        validate: bool,
+    ) -> PyResult<(usize, i64)> {
+        self.settle_expected(tasks.py());
+        let same_tasks = self.tasks.as_ref().is_some_and(|t| t.is(tasks));
+        let result = if self.rescan || !same_tasks {
+            self.full_scan(run, tasks, pending, targets, defer)
+        } else {
+            self.changed_only(run, tasks, pending, targets, defer, validate)
+        };
+        self.dirty.clear();
+        self.targets.clear();
+        if let Some(t) = targets {
+            for ts in t.keys() {
+                self.targets.insert(addr(&ts), ts.unbind());
+            }
+        }
+        result
+    }
+
+    /// Fold the drops seen enacted since the last run into the over-replicated
+    /// set: a task whose decided drops were all enacted (and nothing else
+    /// touched it) has `base_excess - drops` left; any other is looked at again.
+    fn settle_expected(&mut self, py: Python<'_>) {
+        for (a, e) in std::mem::take(&mut self.expected) {
+            if !e.workers.is_empty() || self.dirty.contains_key(&a) {
+                self.touch(e.ts.bind(py));
+            } else if e.base_excess - e.seen > 0 {
+                self.over.insert(a, e.ts);
+            } else {
+                self.over.remove(&a);
+            }
+        }
+    }
+
+    fn expect(&mut self, task: &Prepared<'_>, dropped: Vec<usize>) {
+        if !dropped.is_empty() {
+            let e = Expected {
+                ts: task.ts.clone().unbind(),
+                base_excess: task.base_excess,
+                workers: dropped,
+                seen: 0,
+            };
+            self.expected.insert(addr(&task.ts), e);
+        }
+    }
+
+    fn full_scan(
+        &mut self,
+        run: &mut AmmRun,
+        tasks: &Bound<'_, PyAny>,
+        pending: &Bound<'_, PyDict>,
+        targets: Option<&Bound<'_, PyDict>>,
+        defer: bool,
+    ) -> PyResult<(usize, i64)> {
+        self.over.clear();
+        self.rescan = false;
+        self.tasks = Some(tasks.clone().unbind());
+        let (mut nkeys, mut ndrop, mut looked_at) = (0usize, 0i64, 0usize);
+        let mut keeping = true;
+        let mut request = DropRequest::default();
+        for ts in tasks.try_iter()? {
+            looked_at += 1;
+            let ev = AmmRun::evaluate(ts?, Some(pending), targets)?;
+            if keeping && ev.base_excess > 0 {
+                if self.over.len() == OVER_LIMIT {
+                    keeping = false;
+                    self.over.clear();
+                    self.expected.clear();
+                } else {
+                    self.over.insert(addr(&ev.ts), ev.ts.clone().unbind());
+                }
+            }
+            if ev.ndrop > 0 {
+                nkeys += 1;
+                ndrop += ev.ndrop;
+                let task = run.prepare(ev, pending, defer, request)?;
+                let dropped = run.decide(&task, keeping)?;
+                if keeping {
+                    self.expect(&task, dropped);
+                }
+                request = task.request;
+            }
+        }
+        self.rescan = !keeping;
+        self.last = RunStats {
+            full_scan: true,
+            looked_at,
+            ordered_by_scan: false,
+        };
+        Ok((nkeys, ndrop))
+    }
+
+    fn changed_only(
+        &mut self,
+        run: &mut AmmRun,
+        tasks: &Bound<'_, PyAny>,
+        pending: &Bound<'_, PyDict>,
+        targets: Option<&Bound<'_, PyDict>>,
+        defer: bool,
+        validate: bool,
+    ) -> PyResult<(usize, i64)> {
+        let py = tasks.py();
+        // Everything whose count may have changed, or may be positive.
+        let mut look: AddrMap<Bound<'_, PyAny>> = AddrMap::default();
+        for map in [&self.over, &self.dirty, &self.targets] {
+            for (&a, ts) in map {
+                look.entry(a).or_insert_with(|| ts.bind(py).clone());
+            }
+        }
+        for ts in pending
+            .keys()
+            .iter()
+            .chain(targets.iter().flat_map(|t| t.keys()))
+        {
+            look.entry(addr(&ts)).or_insert(ts);
+        }
+        let looked_at = look.len();
+        let mut chosen: Vec<Prepared<'_>> = Vec::new();
+        let (mut nkeys, mut ndrop) = (0usize, 0i64);
+        for (a, ts) in look {
+            let ev = AmmRun::evaluate(ts, Some(pending), targets)?;
+            // The scheduler keeps `replicated_tasks` = {tasks with 2+ holders}
+            // (add_replica/remove_replica); `validate` checks it.
+            if ev.n_holders < 2 {
+                self.over.remove(&a);
+                continue;
+            }
+            if ev.base_excess > 0 {
+                self.over.insert(a, ev.ts.clone().unbind());
+            } else {
+                self.over.remove(&a);
+            }
+            if ev.ndrop > 0 {
+                nkeys += 1;
+                ndrop += ev.ndrop;
+                chosen.push(run.prepare(ev, pending, defer, DropRequest::default())?);
+            }
+        }
+        if validate {
+            check_against_full_scan(tasks, pending, targets, &chosen)?;
+        }
+        let mut ordered_by_scan = false;
+        if chosen.len() > 1 {
+            let requests: Vec<&DropRequest> = chosen.iter().map(|t| &t.request).collect();
+            if !amm::order_independent(run.table(), &requests) {
+                order_as_iterated(tasks, &mut chosen)?;
+                ordered_by_scan = true;
+            }
+        }
+        for task in &chosen {
+            let dropped = run.decide(task, true)?;
+            self.expect(task, dropped);
+        }
+        self.last = RunStats {
+            full_scan: false,
+            looked_at,
+            ordered_by_scan,
+        };
+        Ok((nkeys, ndrop))
+    }
+}
+
+/// Sort `chosen` into the iteration order of `tasks` (one pass that only
+/// compares addresses).
+fn order_as_iterated(tasks: &Bound<'_, PyAny>, chosen: &mut [Prepared<'_>]) -> PyResult<()> {
+    let mut rank: AddrMap<usize> = chosen.iter().map(|t| (addr(&t.ts), usize::MAX)).collect();
+    let mut found = 0;
+    for (i, ts) in tasks.try_iter()?.enumerate() {
+        if let Some(r) = rank.get_mut(&addr(&ts?)) {
+            *r = i;
+            found += 1;
+            if found == chosen.len() {
+                break;
+            }
+        }
+    }
+    chosen.sort_by_key(|t| rank[&addr(&t.ts)]);
+    Ok(())
+}
+
+/// AssertionError unless the tasks with drops to suggest are exactly those a
+/// full scan finds.
+fn check_against_full_scan(
+    tasks: &Bound<'_, PyAny>,
+    pending: &Bound<'_, PyDict>,
+    targets: Option<&Bound<'_, PyDict>>,
+    chosen: &[Prepared<'_>],
+) -> PyResult<()> {
+    let ours: AddrMap<()> = chosen.iter().map(|t| (addr(&t.ts), ())).collect();
+    let mut missed = Vec::new();
+    let mut full = 0usize;
+    for ts in tasks.try_iter()? {
+        let ev = AmmRun::evaluate(ts?, Some(pending), targets)?;
+        if ev.ndrop > 0 {
+            full += 1;
+            if !ours.contains_key(&addr(&ev.ts)) {
+                missed.push(ev.ts.repr()?.to_string());
+            }
+        }
+    }
+    if !missed.is_empty() || full != ours.len() {
+        return Err(PyAssertionError::new_err(format!(
+            "ReplicaTracker out of date: a full scan finds {full} tasks with drops to \
+             suggest, the tracker {}; missed: {}",
+            ours.len(),
+            missed.join(", ")
+        )));
+    }
+    Ok(())
+}
