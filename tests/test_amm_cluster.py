@@ -25,6 +25,9 @@ MANUAL = {
     "distributed.scheduler.active-memory-manager.policies": [
         {"class": "dask_shm.amm.ReduceReplicas"}
     ],
+    # Tests pause workers by hand; the memory monitor would resume them on its next
+    # tick (their memory is far below the pause threshold), racing the assertions.
+    "distributed.worker.memory.pause": False,
 }
 THREE = [("", 1)] * 3
 
