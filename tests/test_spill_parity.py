@@ -190,7 +190,7 @@ def test_unpicklable_value_larger_than_target_raises_and_is_forgotten(tmp_path):
 def test_unpicklable_older_value_is_logged_once_and_kept(tmp_path, caplog):
     buf = SpillBuffer(str(tmp_path), target=1_000)
     buf["bad"] = Unpicklable(600)
-    with caplog.at_level(logging.ERROR, logger="dask_shm.spill"):
+    with caplog.at_level(logging.ERROR, logger="distributed.spill"):
         buf["a"] = Unpicklable(100)  # still fits
         buf["b"] = np.zeros(60)  # 480 + 600 + 100 > 1000: evicts "bad", which fails
         buf["c"] = np.zeros(1)  # tries "bad" again
