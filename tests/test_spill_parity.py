@@ -327,3 +327,28 @@ def test_unpicklable_older_value_is_logged_once_and_kept(tmp_path, caplog):
     assert buf.evict() == -1  # oldest is still the unpicklable one
     del buf["bad"]
     assert "bad" not in buf.logged_pickle_errors
+
+
+@pytest.mark.parametrize("memmap", [False, True], ids=["read", "memmap"])
+def test_disk_metrics_count_file_bytes_like_stock(tmp_path, memmap):
+    """disk-write and disk-read bytes are the sizes of the files written and
+    read, as stock's (len of the pickled file), in both read modes."""
+    metrics = {}
+    for name, make in (
+        ("stock", lambda d: StockSpillBuffer(d, target=10_000)),
+        ("ours", lambda d: SpillBuffer(d, target=10_000, memmap=memmap)),
+    ):
+        buf = make(str(tmp_path / name))
+        buf["small"] = "s" * 3_000
+        buf["big"] = np.arange(20_000, dtype="u1")  # > target: straight to disk
+        buf.evict()  # "small" to disk
+        sizes = {k: w.disk for k, w in buf._slow_uncached.weight_by_key.items()}
+        assert buf["small"] == "s" * 3_000
+        assert buf["big"].sum() == np.arange(20_000, dtype="u1").sum()
+        m = buf.cumulative_metrics
+        assert m["disk-write", "bytes"] == sizes["small"] + sizes["big"]
+        assert m["disk-read", "bytes"] == sizes["small"] + sizes["big"]
+        assert m["disk-read", "count"] == 2
+        metrics[name] = sizes
+    if not memmap:
+        assert metrics["ours"]["small"] == metrics["stock"]["small"]
