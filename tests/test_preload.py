@@ -128,3 +128,15 @@ async def test_preload_keeps_a_data_mapping_of_the_users(c, s, a):
     assert isinstance(a.extensions["spans"], SpansWorkerExtension)
     assert await c.submit(lambda: 2, key="y") == 2
     assert a.data["y"] == 2
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    config={**PRELOAD_BY_CONFIG, "shm.shared-memory.enabled": True},
+    worker_kwargs={"data": dict, "memory_limit": "1 GiB"},
+)
+async def test_shared_memory_preload_keeps_a_data_mapping_of_the_users(c, s, a):
+    assert type(a.data) is dict
+    assert await c.submit(lambda: 3, key="z") == 3
+    assert a.data["z"] == 3

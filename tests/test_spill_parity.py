@@ -332,8 +332,10 @@ def test_unpicklable_older_value_is_logged_once_and_kept(tmp_path, caplog):
 @pytest.mark.parametrize("memmap", [False, True], ids=["read", "memmap"])
 def test_disk_metrics_count_file_bytes_like_stock(tmp_path, memmap):
     """disk-write and disk-read bytes are the sizes of the files written and
-    read, as stock's (len of the pickled file), in both read modes."""
+    read, as stock's (len of the pickled file), and the same stages are
+    metered in the same order, in both read modes."""
     metrics = {}
+    labels = {}
     for name, make in (
         ("stock", lambda d: StockSpillBuffer(d, target=10_000)),
         ("ours", lambda d: SpillBuffer(d, target=10_000, memmap=memmap)),
@@ -346,9 +348,12 @@ def test_disk_metrics_count_file_bytes_like_stock(tmp_path, memmap):
         assert buf["small"] == "s" * 3_000
         assert buf["big"].sum() == np.arange(20_000, dtype="u1").sum()
         m = buf.cumulative_metrics
+        labels[name] = list(m)
         assert m["disk-write", "bytes"] == sizes["small"] + sizes["big"]
         assert m["disk-read", "bytes"] == sizes["small"] + sizes["big"]
         assert m["disk-read", "count"] == 2
         metrics[name] = sizes
     if not memmap:
         assert metrics["ours"]["small"] == metrics["stock"]["small"]
+    # the same stages (serialize, compress, disk-write, ...) in the same order
+    assert labels["ours"] == labels["stock"]

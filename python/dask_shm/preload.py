@@ -80,7 +80,7 @@ def _setup(server: Any) -> None:
             _add_plugin(server, SharedMemoryNannyPlugin())
         return
     switches = {name: enabled(name) for name in ("spill-buffer", "spans")}
-    if shared:
+    if shared and _has_stock_spill_buffer(server):
         from dask_shm.shared import SharedMemoryPlugin
 
         _add_plugin(server, SharedMemoryPlugin())
