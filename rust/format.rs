@@ -1,24 +1,38 @@
 //! On-disk layout of one spill file.
 //!
 //! ```text
-//! offset 0   magic  b"DSKSHM01"                       8 bytes
-//!        8   frame count n (u64 little endian)        8 bytes
-//!       16   n frame lengths (u64 little endian)      8 * n bytes
-//!            zero padding up to the next ALIGN boundary
-//!            frame 0, zero padding up to ALIGN, frame 1, ..., frame n-1
+//! offset 0   magic  b"DSK2"                           4 bytes
+//!        4   frame count n (u32 little endian)        4 bytes
+//!        8   n frame lengths (u64 little endian)      8 * n bytes
+//!            frame 0, frame 1, ..., frame n-1
 //! ```
 //!
-//! Every frame starts on an `ALIGN`-byte boundary of the file, so a frame read
-//! through a page-aligned `mmap` is aligned for any numpy dtype. The file ends
+//! The header is exactly as long as the length prelude that stock distributed
+//! writes in front of its spill files (a u64 count and a u64 per frame), and
+//! frames follow each other with no padding, except that a frame of at least
+//! [`ALIGN_MIN_LEN`] bytes starts on the next [`ALIGN`]-byte boundary of the
+//! file (zero padding before it). So a value made of small frames takes the
+//! same bytes on disk as in a stock spill file (`max_spill` trips at the same
+//! point), while a large buffer read through a page-aligned `mmap` is aligned
+//! for any numpy dtype and SIMD loads; only such buffers pay the (< `ALIGN`
+//! bytes) padding. Small frames land where stock puts them too: unaligned.
+//!
+//! The layout is a function of the frame lengths alone, and the file ends
 //! exactly where the last frame ends: any other size means the file was
 //! truncated or extended and is rejected.
 
 use std::fmt;
 
-/// Alignment of every frame inside a spill file, in bytes.
+/// Alignment of the frames that get aligned (see [`ALIGN_MIN_LEN`]), in bytes.
 pub const ALIGN: u64 = 64;
-pub const MAGIC: &[u8; 8] = b"DSKSHM01";
+/// Frames at least this long start on an [`ALIGN`] boundary; shorter ones are
+/// packed. A page: below it, an aligned zero-copy view gains nothing that
+/// padding bytes on disk would pay for.
+pub const ALIGN_MIN_LEN: u64 = 4096;
+pub const MAGIC: &[u8; 4] = b"DSK2";
 const WORD: u64 = 8;
+/// Bytes of the fixed part of the header (magic and frame count).
+const PREFIX: u64 = 8;
 
 /// Refuse headers announcing more frames than this; protects against a
 /// forged or corrupted count making us allocate gigabytes of offsets.
@@ -39,14 +53,17 @@ pub struct Layout {
 
 impl Layout {
     pub fn for_lengths(lengths: &[u64]) -> Layout {
-        let header_len = 2 * WORD + WORD * lengths.len() as u64;
-        let mut offset = align_up(header_len);
+        let header_len = header_len_for(lengths.len() as u64);
         let mut frames = Vec::with_capacity(lengths.len());
         let mut end = header_len;
         for &len in lengths {
+            let offset = if len >= ALIGN_MIN_LEN {
+                align_up(end)
+            } else {
+                end
+            };
             frames.push((offset, len));
             end = offset + len;
-            offset = align_up(end);
         }
         Layout {
             header_len,
@@ -59,7 +76,7 @@ impl Layout {
     pub fn header_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.header_len as usize);
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&(self.frames.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(self.frames.len() as u32).to_le_bytes());
         for &(_, len) in &self.frames {
             out.extend_from_slice(&len.to_le_bytes());
         }
@@ -118,18 +135,21 @@ fn read_u64(buf: &[u8], at: usize) -> u64 {
 
 /// Number of header bytes needed to parse a header announcing `count` frames.
 pub fn header_len_for(count: u64) -> u64 {
-    2 * WORD + WORD * count
+    PREFIX + WORD * count
 }
 
-/// Read the frame count from the first 16 bytes, validating the magic.
+/// Read the frame count from the first 8 bytes of `prefix` (callers may pass
+/// more), validating the magic.
 pub fn parse_count(prefix: &[u8], file_size: u64) -> Result<u64, FormatError> {
-    if prefix.len() < 16 || file_size < 16 {
+    if prefix.len() < PREFIX as usize || file_size < PREFIX {
         return Err(FormatError::TooShort { size: file_size });
     }
-    if &prefix[..8] != MAGIC {
+    if &prefix[..4] != MAGIC {
         return Err(FormatError::BadMagic);
     }
-    let count = read_u64(prefix, 8);
+    let mut word = [0u8; 4];
+    word.copy_from_slice(&prefix[4..8]);
+    let count = u64::from(u32::from_le_bytes(word));
     if count > MAX_FRAMES || header_len_for(count) > file_size {
         return Err(FormatError::TooManyFrames { count });
     }
@@ -144,7 +164,7 @@ pub fn parse_layout(header: &[u8], file_size: u64) -> Result<Layout, FormatError
         return Err(FormatError::TooShort { size: file_size });
     }
     let lengths: Vec<u64> = (0..count as usize)
-        .map(|i| read_u64(header, 16 + 8 * i))
+        .map(|i| read_u64(header, PREFIX as usize + 8 * i))
         .collect();
     if lengths.iter().any(|&l| l > file_size) {
         return Err(FormatError::SizeMismatch {
@@ -167,18 +187,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn frames_are_aligned_and_size_is_exact() {
-        let layout = Layout::for_lengths(&[3, 100, 0, 64]);
-        for &(off, _) in &layout.frames {
-            assert_eq!(off % ALIGN, 0);
-        }
-        assert_eq!(layout.frames[0], (64, 3));
-        assert_eq!(layout.frames[1], (128, 100));
-        assert_eq!(layout.frames[2], (256, 0));
-        assert_eq!(layout.frames[3], (256, 64));
-        assert_eq!(layout.file_size, 320);
-        let pads = layout.padding();
-        assert_eq!(pads, vec![64 - 48, 128 - 67, 256 - 228, 0, 0]);
+    fn small_frames_are_packed_like_stock() {
+        // Same bytes as stock's prelude (u64 count + u64 per frame) + frames.
+        let lengths = [3, 100, 0, 64, ALIGN_MIN_LEN - 1];
+        let layout = Layout::for_lengths(&lengths);
+        let stock = 8 + 8 * lengths.len() as u64 + lengths.iter().sum::<u64>();
+        assert_eq!(layout.file_size, stock);
+        assert_eq!(layout.frames[0], (48, 3));
+        assert_eq!(layout.frames[1], (51, 100));
+        assert_eq!(layout.frames[2], (151, 0));
+        assert_eq!(layout.frames[3], (151, 64));
+        assert!(layout.padding().iter().all(|&p| p == 0));
+        assert_eq!(layout.header_bytes().len() as u64, layout.header_len);
+    }
+
+    #[test]
+    fn large_frames_are_aligned_and_size_is_exact() {
+        let layout = Layout::for_lengths(&[3, ALIGN_MIN_LEN, 5, ALIGN_MIN_LEN + 1]);
+        assert_eq!(layout.header_len, 40);
+        assert_eq!(layout.frames[0], (40, 3));
+        assert_eq!(layout.frames[1], (64, ALIGN_MIN_LEN));
+        assert_eq!(layout.frames[2], (64 + ALIGN_MIN_LEN, 5));
+        let (off3, _) = layout.frames[3];
+        assert_eq!(off3, 64 + ALIGN_MIN_LEN + 64);
+        assert_eq!(layout.file_size, off3 + ALIGN_MIN_LEN + 1);
+        assert_eq!(layout.padding(), vec![0, 64 - 43, 0, 64 - 5, 0]);
     }
 
     #[test]
@@ -197,10 +230,24 @@ mod tests {
             parse_layout(&header, layout.file_size - 1),
             Err(FormatError::SizeMismatch { .. })
         ));
+        assert!(matches!(
+            parse_layout(&header, layout.file_size + 1),
+            Err(FormatError::SizeMismatch { .. })
+        ));
+        assert_eq!(
+            parse_layout(&header[..6], 6),
+            Err(FormatError::TooShort { size: 6 })
+        );
         assert_eq!(
             parse_layout(&header[..10], 10),
-            Err(FormatError::TooShort { size: 10 })
+            Err(FormatError::TooManyFrames { count: 2 })
         );
+        // extended or truncated around an aligned frame, too
+        let big = Layout::for_lengths(&[7, ALIGN_MIN_LEN * 2]);
+        let big_header = big.header_bytes();
+        for size in [big.file_size - 1, big.file_size + 1, big.file_size - 64] {
+            assert!(parse_layout(&big_header, size).is_err(), "{size}");
+        }
         let mut bad = header.clone();
         bad[0] = b'X';
         assert_eq!(
@@ -208,7 +255,7 @@ mod tests {
             Err(FormatError::BadMagic)
         );
         let mut huge = header;
-        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             parse_layout(&huge, layout.file_size),
             Err(FormatError::TooManyFrames { .. })

@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FRAME_ALIGNMENT", format::ALIGN)?;
+    m.add("FRAME_ALIGN_MIN_LEN", format::ALIGN_MIN_LEN)?;
     m.add_class::<py_store::FileStore>()?;
     m.add_class::<py_buffers::MappedFile>()?;
     m.add_class::<py_amm::AmmRun>()?;

@@ -170,7 +170,8 @@ impl FileStore {
     }
 
     /// Map a file copy-on-write and return one writable memoryview per frame,
-    /// all backed by the mapping (no copy). Frames are 64-byte aligned.
+    /// all backed by the mapping (no copy). Large frames are 64-byte aligned
+    /// (see `format::ALIGN_MIN_LEN`).
     fn read_mapped<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyList>> {
         let store = Arc::clone(&self.inner);
         let (map, layout) = py.detach(|| store.map(name)).map_err(to_pyerr)?;

@@ -89,3 +89,54 @@ def test_preload_refuses_other_servers():
     with pytest.raises(TypeError, match="Scheduler, Worker or Nanny"):
         dask_shm.dask_setup(object())
     assert callable(Worker)
+
+
+PRELOAD_BY_CONFIG = {
+    "distributed.scheduler.preload": ["dask_shm"],
+    "distributed.worker.preload": ["dask_shm"],
+}
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    config=PRELOAD_BY_CONFIG,
+    scheduler_kwargs={"extensions": {}},
+    worker_kwargs={"extensions": {}, "memory_limit": "1 GiB"},
+)
+async def test_preload_adds_no_extension_a_server_was_built_without(c, s, a):
+    """As without the preload: no spans extension means task metrics carry no
+    span id (distributed's test_worker_metrics.py::test_no_spans_extension)."""
+    assert "spans" not in s.extensions and "amm" not in s.extensions
+    assert "spans" not in a.extensions
+    assert isinstance(a.data, SpillBuffer)  # the stock buffer is still replaced
+    assert await c.submit(lambda: 1, key="x") == 1
+    await a.heartbeat()
+    execute = [k for k in a.digests_total if isinstance(k, tuple) and k[0] == "execute"]
+    assert execute and all(k[1] is None for k in execute)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    config=PRELOAD_BY_CONFIG,
+    worker_kwargs={"data": dict, "memory_limit": "1 GiB"},
+)
+async def test_preload_keeps_a_data_mapping_of_the_users(c, s, a):
+    assert type(a.data) is dict
+    assert isinstance(s.extensions["spans"], SpansSchedulerExtension)
+    assert isinstance(a.extensions["spans"], SpansWorkerExtension)
+    assert await c.submit(lambda: 2, key="y") == 2
+    assert a.data["y"] == 2
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    config={**PRELOAD_BY_CONFIG, "shm.shared-memory.enabled": True},
+    worker_kwargs={"data": dict, "memory_limit": "1 GiB"},
+)
+async def test_shared_memory_preload_keeps_a_data_mapping_of_the_users(c, s, a):
+    assert type(a.data) is dict
+    assert await c.submit(lambda: 3, key="z") == 3
+    assert a.data["z"] == 3

@@ -14,7 +14,7 @@ from distributed.spill import SpillBuffer as StockSpillBuffer
 from distributed.spill import SpilledSize
 
 from dask_shm import FileStore, SpillBuffer
-from dask_shm._core import FRAME_ALIGNMENT
+from dask_shm._core import FRAME_ALIGN_MIN_LEN, FRAME_ALIGNMENT
 
 
 def files_in(directory: str) -> dict[str, int]:
@@ -169,14 +169,15 @@ def test_many_value_types_round_trip(tmp_path):
 
 def test_file_store_mapped_frames_are_aligned_private_and_writable(tmp_path):
     store = FileStore(str(tmp_path))
-    payload = np.arange(1001, dtype="u1")
+    payload = np.arange(FRAME_ALIGN_MIN_LEN + 1001, dtype="u1")
     stored = store.put("k", [b"hdr", memoryview(payload), b"", payload.tobytes()], memory=7)
     assert stored is not None
     name, disk = stored
     assert store.sizes(name) == (7, disk)
     assert os.path.getsize(store.path(name)) == disk
     frames = store.read_mapped(name)
-    assert [f.nbytes for f in frames] == [3, 1001, 0, 1001]
+    n = payload.nbytes
+    assert [f.nbytes for f in frames] == [3, n, 0, n]
     arr = np.frombuffer(frames[1], dtype="u1")
     assert arr.ctypes.data % FRAME_ALIGNMENT == 0
     assert not frames[1].readonly

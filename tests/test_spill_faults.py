@@ -39,7 +39,7 @@ def test_full_disk_keeps_data_in_memory_and_logs(tmp_path, caplog):
     buf = SpillBuffer(str(tmp_path), target=20_000)
     small = np.arange(1_000)  # 8 kB: fits under the limit
     big = np.arange(10_000)  # 80 kB: cannot be written
-    with file_size_limit(50_000), caplog.at_level(logging.ERROR, logger="dask_shm.spill"):
+    with file_size_limit(50_000), caplog.at_level(logging.ERROR, logger="distributed.spill"):
         buf["big"] = big  # heavier than target: goes to disk, fails, stays in memory
         assert "big" in buf.fast and "big" not in buf.slow
         buf["a"] = small
@@ -62,7 +62,7 @@ def test_spill_directory_removed_mid_run(tmp_path, caplog):
     buf["a"] = np.zeros(1_000)
     buf["b"] = np.zeros(1_000)  # "a" is spilled
     shutil.rmtree(directory)
-    with caplog.at_level(logging.ERROR, logger="dask_shm.spill"):
+    with caplog.at_level(logging.ERROR, logger="distributed.spill"):
         buf["c"] = np.zeros(1_000)  # spilling "b" fails: the directory is gone
     assert "b" in buf.fast and "c" in buf.fast
     # The value whose file vanished is reported with its key, not lost silently.
@@ -76,7 +76,7 @@ def test_spill_directory_removed_mid_run(tmp_path, caplog):
 
 def test_max_spill_reached_keeps_data_in_memory(tmp_path, caplog):
     buf = SpillBuffer(str(tmp_path), target=10_000, max_spill=30_000)
-    with caplog.at_level(logging.WARNING, logger="dask_shm.spill"):
+    with caplog.at_level(logging.WARNING, logger="distributed.spill"):
         for i in range(10):
             buf[f"k{i}"] = np.full(1_000, i)  # 8 kB each
     assert "Spill file on disk reached capacity; keeping data in memory" in caplog.text

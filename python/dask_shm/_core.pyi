@@ -7,8 +7,10 @@ from typing import Any, final
 from typing_extensions import Buffer
 
 __version__: str
-#: Every frame inside a spill file starts at a multiple of this many bytes.
+#: A frame of at least FRAME_ALIGN_MIN_LEN bytes starts at a multiple of this
+#: many bytes of its spill file; shorter frames are packed (as in stock's files).
 FRAME_ALIGNMENT: int
+FRAME_ALIGN_MIN_LEN: int
 
 class ForgedHandleError(ValueError):
     """A shared-memory handle from a peer names a file we must not accept
@@ -70,7 +72,8 @@ class FileStore:
         corrupted file, FileNotFoundError if the file was deleted behind our back.
         """
     def read_mapped(self, name: str) -> list[memoryview]:
-        """Frames of a file as writable, 64-byte-aligned views of a private mapping."""
+        """Frames of a file as writable views of a private mapping; frames of
+        at least FRAME_ALIGN_MIN_LEN bytes are FRAME_ALIGNMENT-aligned."""
     def delete(self, name: str) -> tuple[int, int] | None:
         """Forget an entry and delete (or, recycling, pool) its file;
         ``(memory, disk)`` it had, or None."""

@@ -13,6 +13,13 @@ installed follows the ``shm.*`` config (see ``dask-shm.yaml``):
   span extension (``shm.spans``);
 - nanny: with ``shm.shared-memory.enabled``, :class:`dask_shm.SharedMemoryNannyPlugin`.
 
+The preload replaces stock components that the server has and never adds
+what it was built without: a scheduler or worker constructed with no
+``"amm"`` / ``"spans"`` extension (e.g. ``extensions={}``) keeps none, and a
+worker whose data mapping is not stock's SpillBuffer (a ``data=`` mapping of
+the user's, or a dict because spilling is off) keeps it. So turning dask-shm on
+changes how things are done, not what a server runs.
+
 An invalid ``shm.*`` value stops the server from starting: distributed only
 logs exceptions raised by a preload, so :class:`InvalidConfig` (a SystemExit
 carrying the message that names the key and the accepted values) is raised.
@@ -56,11 +63,11 @@ def _setup(server: Any) -> None:
 
     if isinstance(server, Scheduler):
         switches = {name: enabled(name) for name in ("amm", "spans")}
-        if switches["amm"]:
+        if switches["amm"] and "amm" in server.extensions:
             from dask_shm.amm import install_scheduler_extension as install_amm
 
             install_amm(server)
-        if switches["spans"]:
+        if switches["spans"] and "spans" in server.extensions:
             from dask_shm.spans import install_scheduler_extension as install_spans
 
             install_spans(server)
@@ -73,18 +80,24 @@ def _setup(server: Any) -> None:
             _add_plugin(server, SharedMemoryNannyPlugin())
         return
     switches = {name: enabled(name) for name in ("spill-buffer", "spans")}
-    if shared:
+    if shared and _has_stock_spill_buffer(server):
         from dask_shm.shared import SharedMemoryPlugin
 
         _add_plugin(server, SharedMemoryPlugin())
-    elif switches["spill-buffer"]:
+    elif switches["spill-buffer"] and _has_stock_spill_buffer(server):
         from dask_shm.worker import SpillBufferPlugin
 
         SpillBufferPlugin().setup(server)
-    if switches["spans"]:
+    if switches["spans"] and "spans" in server.extensions:
         from dask_shm.spans import install_worker_extension
 
         install_worker_extension(server)
+
+
+def _has_stock_spill_buffer(worker: Any) -> bool:
+    from distributed.spill import SpillBuffer as StockSpillBuffer
+
+    return isinstance(worker.memory_manager.data, StockSpillBuffer)
 
 
 def _add_plugin(server: Any, plugin: Any) -> None:

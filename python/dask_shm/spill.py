@@ -16,7 +16,6 @@ from dask.typing import Key
 from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 from distributed.spill import SpilledSize
-from distributed.utils import RateLimiterFilter
 
 from dask_shm._core import ForgedHandleError, SpillFileError
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, SpillStore
@@ -25,9 +24,10 @@ if TYPE_CHECKING:
     from dask_shm.shared.store import Handle, SharedSpillStore
     from dask_shm.shared.transfer import Received
 
-logger = logging.getLogger(__name__)
-logger.addFilter(RateLimiterFilter("Spill file on disk reached capacity"))
-logger.addFilter(RateLimiterFilter("Spill to disk failed"))
+# Stock's logger, messages and rate limits (distributed.spill installs its
+# RateLimiterFilters on import): people configure exactly this logger to debug
+# memory (distributed.logging), and tests capture it.
+logger = logging.getLogger("distributed.spill")
 
 
 class _Handled(Exception):

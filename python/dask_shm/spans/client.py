@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from dask_shm.spans.scheduler import RPC_NAME
+from dask_shm.spans.protocol import RPC_NAME
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -47,7 +47,9 @@ class SpansWorkerPlugin(WorkerPlugin):
 
 
 def dask_setup(server: Server) -> None:
-    """Preload entry point: install the extension matching ``server``.
+    """Preload entry point: install the extension matching ``server`` in place
+    of its stock one. A server built without a ``"spans"`` extension (e.g.
+    ``extensions={}``) is left without one, as it would be without the preload.
 
     Raises
     ------
@@ -58,9 +60,11 @@ def dask_setup(server: Server) -> None:
     from distributed import Scheduler, Worker
 
     if isinstance(server, Scheduler):
-        install_scheduler_extension(server)
+        if "spans" in server.extensions:
+            install_scheduler_extension(server)
     elif isinstance(server, Worker):
-        install_worker_extension(server)
+        if "spans" in server.extensions:
+            install_worker_extension(server)
     else:
         raise TypeError(
             f"dask_shm.spans.plugins preloads into a Scheduler or a Worker, not {server!r}"

@@ -29,19 +29,33 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import dask.config
 
-from dask_shm.spans.span import MEMORY_FIELDS
+from dask_shm.spans.span import MEMORY_FIELDS, Span
 
-if TYPE_CHECKING:
-    from dask_shm.spans.scheduler import SpansSchedulerExtension
-    from dask_shm.spans.worker import SpansWorkerExtension
 
-_scheduler_exts: weakref.WeakSet[SpansSchedulerExtension] = weakref.WeakSet()
-_worker_exts: weakref.WeakSet[SpansWorkerExtension] = weakref.WeakSet()
+# What the collectors read from the extensions (structural, so that the
+# extension modules, which register here, are not imported back).
+class SchedulerSpansSource(Protocol):
+    @property
+    def scheduler(self) -> Any: ...
+    @property
+    def spans(self) -> Mapping[str, Span]: ...
+
+
+class WorkerSpansSource(Protocol):
+    @property
+    def worker(self) -> Any: ...
+
+    def memory_by_span(self) -> tuple[dict[str, list[int]], list[Any], Any]: ...
+    def cumulative_spill_by_span(self) -> dict[str, dict[str, float]]: ...
+
+
+_scheduler_exts: weakref.WeakSet[SchedulerSpansSource] = weakref.WeakSet()
+_worker_exts: weakref.WeakSet[WorkerSpansSource] = weakref.WeakSet()
 _registered: set[str] = set()
 
 
@@ -127,13 +141,11 @@ class WorkerSpansCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        from dask_shm.spans.worker import memory_by_span
-
         server = _stock_server("distributed.http.worker.prometheus.core", "_collector")
         ext = _pick(_worker_exts, server, "worker")
         if ext is None:
             return
-        by_span, by_key, _ = memory_by_span(ext.worker, ext.span_hints)
+        by_span, by_key, _ = ext.memory_by_span()
         if by_key:
             unattributed = [0] * len(MEMORY_FIELDS)
             for _, figures in by_key:
@@ -167,13 +179,13 @@ def _register(kind: str, collector: Any) -> None:
     _registered.add(kind)
 
 
-def register_scheduler_extension(ext: SpansSchedulerExtension) -> None:
+def register_scheduler_extension(ext: SchedulerSpansSource) -> None:
     """Make ``ext`` reportable on its scheduler's ``/metrics`` page."""
     _scheduler_exts.add(ext)
     _register("scheduler", SchedulerSpansCollector())
 
 
-def register_worker_extension(ext: SpansWorkerExtension) -> None:
+def register_worker_extension(ext: WorkerSpansSource) -> None:
     """Make ``ext`` reportable on its worker's ``/metrics`` page."""
     _worker_exts.add(ext)
     _register("worker", WorkerSpansCollector())

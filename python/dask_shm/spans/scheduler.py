@@ -27,8 +27,8 @@ from distributed.spans import SpansSchedulerExtension as _StockSchedulerExtensio
 
 from dask_shm.spans._tracking import attach_group
 from dask_shm.spans.prometheus import register_scheduler_extension
+from dask_shm.spans.protocol import HINTS_OP, METRIC_NAME, RPC_NAME, as_key
 from dask_shm.spans.span import MEMORY_FIELDS, Span
-from dask_shm.spans.worker import HINTS_OP, METRIC_NAME, as_key
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RPC_NAME = "dask_shm_span_memory"
 PLUGIN_NAME = "dask-shm-spans"
 
 _N = len(MEMORY_FIELDS)

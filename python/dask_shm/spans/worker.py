@@ -37,17 +37,13 @@ from distributed.sizeof import safe_sizeof
 from distributed.spans import SpansWorkerExtension as _StockWorkerExtension
 
 from dask_shm.spans.prometheus import register_worker_extension
+from dask_shm.spans.protocol import HINTS_OP, METRIC_NAME, as_key
 from dask_shm.spans.span import SPILL_METRICS, spill_metrics_into
 
 if TYPE_CHECKING:
     from distributed import Worker
 
 logger = logging.getLogger(__name__)
-
-#: Name of the ``Worker.metrics`` entry carrying the per-span memory report
-METRIC_NAME = "dask_shm_span_memory"
-#: Scheduler -> worker stream message carrying span ids of reported keys
-HINTS_OP = "dask_shm_span_hints"
 
 MEMORY, SPILLED, SPILLED_DISK, SHARED = range(4)
 
@@ -230,6 +226,13 @@ class SpansWorkerExtension(_StockWorkerExtension):
             del self.worker.metrics[METRIC_NAME]
         self.span_hints = {}
 
+    def memory_by_span(
+        self,
+    ) -> tuple[dict[str, list[int]], list[tuple[Key, list[int]]], dict[Key, SpanHint]]:
+        """:func:`memory_by_span` of this worker now, with the span ids learned
+        so far; reads :attr:`span_hints` without updating it."""
+        return memory_by_span(self.worker, self.span_hints)
+
     def cumulative_spill_by_span(self) -> dict[str, dict[str, float]]:
         """``{span_id: spill metrics}`` accumulated by this worker since it started
         (see :attr:`dask_shm.spans.Span.spill_metrics`)."""
@@ -246,13 +249,6 @@ class SpansWorkerExtension(_StockWorkerExtension):
             if any(figures.values()):
                 out[span_id] = figures
         return out
-
-
-def as_key(key: object) -> Key:
-    """Undo msgpack turning tuple keys into lists."""
-    if isinstance(key, list):
-        return tuple(as_key(k) for k in key)
-    return key  # type: ignore[return-value]
 
 
 def install_worker_extension(worker: Worker) -> SpansWorkerExtension:
