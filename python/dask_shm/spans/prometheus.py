@@ -96,7 +96,7 @@ def retention() -> float:
         value = parse_timedelta(raw, default="seconds")
         if value is None or value < 0:
             raise ValueError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, KeyError):  # KeyError: unknown time unit
         raise invalid("shm.prometheus.span-retention", raw) from None
     return float(value)
 
