@@ -110,7 +110,7 @@ fn directory_error(e: io::Error, dir: &Path) -> PyErr {
     match fs::symlink_metadata(dir) {
         Ok(meta) if meta.file_type().is_symlink() => os_error_with(
             libc::ELOOP,
-            "spill directory is a symbolic link, which dask-shm does not follow".to_owned(),
+            "spill directory is a symbolic link, not a plain directory (not followed)".to_owned(),
             dir,
         ),
         Ok(meta) if !meta.is_dir() => os_error(libc::ENOTDIR, dir),
