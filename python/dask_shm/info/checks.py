@@ -10,15 +10,13 @@ from typing import Any, NamedTuple
 from dask.utils import format_bytes
 
 from dask_shm.info.facts import PLUGIN_NAME, HostInfo
+from dask_shm.shared.store import map_budget
 
 #: Below this soft RLIMIT_NOFILE a warning is given.
 MIN_OPEN_FILES = 4096
 #: Free space on the root below max(this, MIN_FREE_FRACTION of RAM) is a warning.
 MIN_FREE_BYTES = 2**30
 MIN_FREE_FRACTION = 0.1
-#: The shared store maps values while the process holds fewer than
-#: ``vm.max_map_count // 2`` mappings (:class:`dask_shm.shared.store.SharedSpillStore`).
-MAP_BUDGET_DIVISOR = 2
 #: Size of a shared value assumed when estimating how many mappings a worker
 #: needs: small for Dask chunks (``array.chunk-size`` is 128 MiB), so the
 #: estimate errs on the side of warning.
@@ -200,9 +198,12 @@ def find_problems(info: HostInfo) -> list[Problem]:
 
     expected = expected_mappings(info)
     if info.max_map_count is not None and expected is not None:
-        budget = info.max_map_count // MAP_BUDGET_DIVISOR
+        budget = map_budget(info.max_map_count)
         if budget < expected:
-            wanted = _round_up(MAP_BUDGET_DIVISOR * expected + DEFAULT_MAX_MAP_COUNT)
+            # Enough for the expected mappings within the budget, plus the default.
+            wanted = _round_up(
+                info.max_map_count * expected // max(budget, 1) + DEFAULT_MAX_MAP_COUNT
+            )
             add(
                 Problem(
                     f"vm.max_map_count is {info.max_map_count}: a worker maps at most "

@@ -8,8 +8,9 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from dask_shm.info.checks import MAP_BUDGET_DIVISOR, TYPICAL_VALUE_BYTES, expected_mappings
+from dask_shm.info.checks import TYPICAL_VALUE_BYTES, expected_mappings
 from dask_shm.info.facts import HostInfo
+from dask_shm.shared.store import map_budget
 
 
 def _bytes(value: int | None) -> str:
@@ -81,7 +82,7 @@ def format_info(info: HostInfo) -> str:
     expected = expected_mappings(info)
     if info.max_map_count is not None and expected is not None:
         max_map += (
-            f" (a worker maps up to {info.max_map_count // MAP_BUDGET_DIVISOR:,} shared values; "
+            f" (a worker maps up to {map_budget(info.max_map_count):,} shared values; "
             f"all of this host's shared memory in {format_bytes(TYPICAL_VALUE_BYTES)} values "
             f"would be {expected:,})"
         )
