@@ -305,3 +305,14 @@ def test_plot_of_synthetic_runs(tmp_path: Path) -> None:
     plot_runs(runs, path, title="synthetic")
     assert path.read_bytes()[:8] == PNG_SIGNATURE
     assert imread(path).shape[2] in (3, 4)
+
+
+def test_demo_without_matplotlib_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--quick"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert 'pip install "dask-shm[demo]"' in err
