@@ -220,3 +220,19 @@ def test_importing_dask_shm_gives_no_compat_warning():
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_removed_scheduler_global_is_detected(monkeypatch):
+    import distributed.scheduler
+
+    monkeypatch.delattr(distributed.scheduler, "ActiveMemoryManagerExtension")
+    [hook] = compat.missing_hooks()
+    assert hook.where.startswith("distributed.scheduler.ActiveMemoryManagerExtension")
+
+
+def test_a_removed_process_memory_hook_is_detected(monkeypatch):
+    from distributed.system_monitor import SystemMonitor
+
+    monkeypatch.delattr(SystemMonitor, "get_process_memory")
+    [hook] = compat.missing_hooks()
+    assert hook.where == "distributed.system_monitor.SystemMonitor.get_process_memory"

@@ -33,18 +33,24 @@ class Hook(NamedTuple):
     present: Callable[[], bool]
 
 
-def _source_mentions(obj: object, text: str) -> bool:
-    try:
-        return text in inspect.getsource(obj)  # type: ignore[arg-type]
-    except (OSError, TypeError):  # no source shipped: cannot tell, assume present
-        return True
+def _code_mentions(func: object, name: str) -> bool:
+    """Whether ``func``'s code (nested functions included) uses the string
+    constant or global/attribute ``name``: cheap, no source needed."""
+    code = getattr(inspect.unwrap(func), "__code__", None)  # type: ignore[arg-type]
+    stack = [code] if code is not None else []
+    while stack:
+        current = stack.pop()
+        if name in current.co_names or name in current.co_consts:
+            return True
+        stack.extend(c for c in current.co_consts if inspect.iscode(c))
+    return False
 
 
 def _worker_get_data() -> bool:
     from distributed.worker import Worker
 
-    return callable(getattr(Worker, "get_data", None)) and _source_mentions(
-        Worker.__init__, '"get_data"'
+    return callable(getattr(Worker, "get_data", None)) and _code_mentions(
+        Worker.__init__, "get_data"
     )
 
 
@@ -61,7 +67,7 @@ def _nanny_memory_monitor() -> bool:
     return (
         manager is not None
         and callable(getattr(manager, "memory_monitor", None))
-        and _source_mentions(manager.__init__, '"memory_monitor"')
+        and _code_mentions(manager.__init__, "memory_monitor")
         and {"memory_limit", "memory_terminate_fraction"} <= set(manager.__annotations__)
     )
 
@@ -69,8 +75,8 @@ def _nanny_memory_monitor() -> bool:
 def _scheduler_amm_global() -> bool:
     import distributed.scheduler as scheduler
 
-    return hasattr(scheduler, "ActiveMemoryManagerExtension") and _source_mentions(
-        scheduler.Scheduler.retire_workers, "ActiveMemoryManagerExtension("
+    return hasattr(scheduler, "ActiveMemoryManagerExtension") and _code_mentions(
+        scheduler.Scheduler.retire_workers, "ActiveMemoryManagerExtension"
     )
 
 
