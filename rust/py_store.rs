@@ -2,6 +2,10 @@
 //!
 //! Every method that touches the file system releases the GIL while it does.
 
+use std::fs;
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyKeyError, PyOSError, PyValueError};
@@ -63,11 +67,80 @@ pub fn read_peer_file<'py>(
     frame_views(py, buf.as_any(), &peer.layout.frames)
 }
 
-fn to_pyerr(e: StoreError) -> PyErr {
+// --- errors ------------------------------------------------------------------
+//
+// Stock spills through `os` and `open`, whose errors are the OSError subclass of
+// their errno (FileNotFoundError, NotADirectoryError, PermissionError, ...) and
+// name the path: `[Errno 20] Not a directory: '/x/spill'`. Ours raise the same,
+// built as `OSError(errno, strerror, path)`, which Python turns into the subclass.
+
+/// The C library's message for `errno`, as Python's `os.strerror` gives it.
+fn strerror(errno: i32) -> String {
+    let text = io::Error::from_raw_os_error(errno).to_string();
+    match text.rfind(" (os error ") {
+        Some(at) => text[..at].to_owned(),
+        None => text,
+    }
+}
+
+/// `OSError(errno, message, path)`: the subclass of `errno`, naming `path`.
+fn os_error_with(errno: i32, message: String, path: &Path) -> PyErr {
+    PyOSError::new_err((errno, message, path.to_string_lossy().into_owned()))
+}
+
+/// `OSError(errno, strerror(errno), path)`.
+fn os_error(errno: i32, path: &Path) -> PyErr {
+    os_error_with(errno, strerror(errno), path)
+}
+
+/// An I/O error about `path`: with its errno, the matching OSError subclass
+/// naming `path`; errors without an errno keep their kind and message.
+fn io_error_at(e: io::Error, path: &Path) -> PyErr {
+    match e.raw_os_error() {
+        Some(errno) => os_error(errno, path),
+        None => e.into(),
+    }
+}
+
+/// Why the spill directory `dir` could not be opened, as stock reports it
+/// (`os.makedirs`): NotADirectoryError when it, or a directory above it, is
+/// not a directory, naming `dir` or the first directory that cannot be created. Ours also refuses a symbolic link (OSError
+/// ELOOP) and another user's directory (PermissionError).
+fn directory_error(e: io::Error, dir: &Path) -> PyErr {
+    match fs::symlink_metadata(dir) {
+        Ok(meta) if meta.file_type().is_symlink() => os_error_with(
+            libc::ELOOP,
+            "spill directory is a symbolic link, not a plain directory (not followed)".to_owned(),
+            dir,
+        ),
+        Ok(meta) if !meta.is_dir() => os_error(libc::ENOTDIR, dir),
+        Ok(meta) if e.raw_os_error().is_none() && e.kind() == io::ErrorKind::PermissionDenied => {
+            // SAFETY: geteuid has no preconditions.
+            let me = unsafe { libc::geteuid() };
+            let message = format!(
+                "spill directory belongs to uid {}, not to this user (uid {me})",
+                meta.uid()
+            );
+            os_error_with(libc::EACCES, message, dir)
+        }
+        Err(_) => match dir.ancestors().skip(1).find(|a| a.is_file()) {
+            // Like os.makedirs: the first directory it fails to create, the one
+            // right under the file.
+            Some(file) => {
+                let first = dir.ancestors().find(|a| a.parent() == Some(file));
+                os_error(libc::ENOTDIR, first.unwrap_or(dir))
+            }
+            None => io_error_at(e, dir),
+        },
+        _ => io_error_at(e, dir),
+    }
+}
+
+fn to_pyerr_at(e: StoreError, path: &Path) -> PyErr {
     match e {
         StoreError::Missing(name) => PyKeyError::new_err(name),
         StoreError::Corrupt { .. } => SpillFileError::new_err(e.to_string()),
-        StoreError::Io(io) => io.into(),
+        StoreError::Io(io) => io_error_at(io, path),
     }
 }
 
@@ -107,7 +180,9 @@ impl FileStore {
         directory: std::path::PathBuf,
         recycle_bytes: u64,
     ) -> PyResult<FileStore> {
-        let inner = py.detach(|| Store::open_recycling(directory, recycle_bytes))?;
+        let inner = py
+            .detach(|| Store::open_recycling(&directory, recycle_bytes))
+            .map_err(|e| directory_error(e, &directory))?;
         Ok(FileStore {
             inner: Arc::new(inner),
         })
@@ -142,11 +217,13 @@ impl FileStore {
             .collect::<PyResult<Vec<_>>>()?;
         let raw: Vec<(usize, usize)> = held.iter().map(HeldBuffer::raw).collect();
         let store = Arc::clone(&self.inner);
-        let outcome = py.detach(move || {
-            // SAFETY: `held` outlives this closure (it is dropped after detach returns).
-            let slices = unsafe { slices_from_raw(&raw) };
-            store.put(stem, &slices, memory, max_disk)
-        })?;
+        let outcome = py
+            .detach(move || {
+                // SAFETY: `held` outlives this closure (it is dropped after detach returns).
+                let slices = unsafe { slices_from_raw(&raw) };
+                store.put(stem, &slices, memory, max_disk)
+            })
+            .map_err(|e| io_error_at(e, self.inner.directory()))?;
         drop(held);
         Ok(match outcome {
             PutOutcome::Stored { name, disk } => Some((name, disk)),
@@ -158,11 +235,14 @@ impl FileStore {
     /// bytearray (nothing stays open afterwards).
     fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyList>> {
         let store = Arc::clone(&self.inner);
-        let mut reader = py.detach(|| store.open_entry(name)).map_err(to_pyerr)?;
+        let path = store.path_of(name);
+        let mut reader = py
+            .detach(|| store.open_entry(name))
+            .map_err(|e| to_pyerr_at(e, &path))?;
         let mut layout = None;
         let buf = PyByteArray::new_with(py, reader.size as usize, |bytes| {
             let result = py.detach(|| store.read_into(name, &mut reader.file, bytes));
-            layout = Some(result.map_err(to_pyerr)?);
+            layout = Some(result.map_err(|e| to_pyerr_at(e, &path))?);
             Ok(())
         })?;
         let layout = layout.expect("set by new_with on success");
@@ -174,8 +254,11 @@ impl FileStore {
     /// (see `format::ALIGN_MIN_LEN`).
     fn read_mapped<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyList>> {
         let store = Arc::clone(&self.inner);
-        let (map, layout) = py.detach(|| store.map(name)).map_err(to_pyerr)?;
-        let path = self.inner.path_of(name).to_string_lossy().into_owned();
+        let path = store.path_of(name);
+        let (map, layout) = py
+            .detach(|| store.map(name))
+            .map_err(|e| to_pyerr_at(e, &path))?;
+        let path = path.to_string_lossy().into_owned();
         let mapped = Bound::new(py, MappedFile::new(map, path))?;
         frame_views(py, mapped.as_any(), &layout.frames)
     }
@@ -199,7 +282,8 @@ impl FileStore {
     ) -> PyResult<(String, u64)> {
         let peer = open_peer(py, &root, &path, size)?;
         let store = Arc::clone(&self.inner);
-        Ok(py.detach(|| store.adopt(&peer, stem, memory))?)
+        py.detach(|| store.adopt(&peer, stem, memory))
+            .map_err(|e| io_error_at(e, self.inner.directory()))
     }
 
     /// Hard-link an entry's file into `directory` under a fresh name and
@@ -212,7 +296,7 @@ impl FileStore {
     ) -> PyResult<std::path::PathBuf> {
         let store = Arc::clone(&self.inner);
         py.detach(|| store.link_out(name, &directory))
-            .map_err(to_pyerr)
+            .map_err(|e| to_pyerr_at(e, &directory))
     }
 
     /// Change the memory size accounted for an entry. KeyError if unknown.
@@ -226,14 +310,18 @@ impl FileStore {
 
     /// Number of hard links of an entry's file.
     fn link_count(&self, name: &str) -> PyResult<u64> {
-        self.inner.link_count(name).map_err(to_pyerr)
+        self.inner
+            .link_count(name)
+            .map_err(|e| to_pyerr_at(e, &self.inner.path_of(name)))
     }
 
     /// Forget an entry and delete its file (a file already gone is fine).
     /// Returns `(memory, disk)` that were accounted, or None if unknown.
     fn delete(&self, py: Python<'_>, name: &str) -> PyResult<Option<(u64, u64)>> {
         let store = Arc::clone(&self.inner);
-        let sizes = py.detach(|| store.remove(name))?;
+        let sizes = py
+            .detach(|| store.remove(name))
+            .map_err(|e| io_error_at(e, &self.inner.path_of(name)))?;
         Ok(sizes.map(|s| (s.memory, s.disk)))
     }
 
@@ -273,5 +361,16 @@ impl FileStore {
             self.inner.directory().display(),
             self.inner.len()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strerror;
+
+    #[test]
+    fn strerror_is_the_c_message_without_rusts_suffix() {
+        assert_eq!(strerror(libc::ENOTDIR), "Not a directory");
+        assert_eq!(strerror(libc::ENOENT), "No such file or directory");
     }
 }

@@ -22,7 +22,8 @@ ROWS = (
     "wall time",
     "host memory, peak increase",
     "worker private memory, peak",
-    "spilled or shared, peak (all workers)",
+    "shared on tmpfs, peak (all workers)",
+    "spilled to disk, peak (all workers)",
     "moved between workers, TCP",
     "moved between workers, hard link",
     "result",
@@ -58,6 +59,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
 def test_demo_prints_the_side_by_side_table(demo: Demo) -> None:
     header = next(line for line in demo.lines if "ours/stock" in line)
     assert "stock distributed" in header and "dask-shm" in header
+    assert header.rstrip().endswith("ours/stock (lower is better)")
     for name in ROWS:
         assert len(demo.row(name)) == 3, name
     # Ratios (ours/stock) are numbers, or "-" where stock's figure is zero.
@@ -80,6 +82,15 @@ def test_stock_moves_bytes_over_tcp_and_dask_shm_by_hard_link(demo: Demo) -> Non
     assert not stock_tcp.startswith("0 B")  # all-to-all: workers need each other's blocks
     assert stock_link == "0 B" and ratio == "-"
     assert not ours_link.startswith("0 B")
+
+
+def test_tcp_figures_agree_and_shared_bytes_are_not_called_spilled(demo: Demo) -> None:
+    _, ours_tcp, _ = demo.row("moved between workers, TCP")
+    closing = next(line for line in demo.lines if line.startswith("dask-shm: ") and "TCP" in line)
+    assert closing.endswith(f"({ours_tcp}) over TCP")
+    stock_shared, ours_shared, _ = demo.row("shared on tmpfs, peak (all workers)")
+    assert stock_shared == "0 B" and ours_shared != "0 B"
+    assert "Both runs take roughly" in demo.lines[0]
 
 
 def test_progress_is_shown_without_flooding_a_pipe(demo: Demo) -> None:
@@ -109,26 +120,27 @@ def test_bad_option_exits_2_with_usage_from_the_command_line() -> None:
         timeout=60,
     )
     assert proc.returncode == 2
-    assert proc.stderr.startswith("usage: dask-shm demo")
-    assert "argument --size: must be positive" in proc.stderr
+    assert proc.stderr.startswith("Usage: dask-shm demo")
+    assert "Invalid value for '--size': must be positive" in proc.stderr
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["demo", "--size", "lots"], "argument --size: not a byte size: 'lots'"),
-        (["demo", "--size=-1GiB"], "argument --size: must be positive"),
-        (["demo", "--size", "0"], "argument --size: must be positive"),
-        (["demo", "--chunk", "1.5 fortnights"], "argument --chunk: not a byte size"),
-        (["demo", "--memory-limit", "-3"], "argument --memory-limit: must be positive"),
-        (["demo", "--workers", "0"], "argument --workers: must be positive"),
-        (["demo", "--workers", "two"], "argument --workers: not an integer"),
-        (["demo", "--threads", "-1"], "argument --threads: must be positive"),
+        (["demo", "--size", "lots"], "Invalid value for '--size': not a byte size: 'lots'"),
+        (["demo", "--size=-1GiB"], "Invalid value for '--size': must be positive"),
+        (["demo", "--size", "0"], "Invalid value for '--size': must be positive"),
+        (["demo", "--chunk", "1.5 fortnights"], "Invalid value for '--chunk': not a byte size"),
+        (["demo", "--memory-limit", "-3"], "Invalid value for '--memory-limit': must be positive"),
+        (["demo", "--memory-limit", "1MB"], "--memory-limit 0.95 MiB is too small"),
+        (["demo", "--quick", "--memory-limit", "200MiB"], "use at least 256.00 MiB"),
+        (["demo", "--workers", "0"], "Invalid value for '--workers'"),
+        (["demo", "--workers", "two"], "'two' is not a valid integer"),
+        (["demo", "--threads", "-1"], "Invalid value for '--threads'"),
         (["demo", "--size", "1MiB", "--chunk", "2MiB"], "--chunk (2.00 MiB) must not exceed"),
-        (["demo", "--output", "/nonexistent-dir/x.png"], "--output: directory"),
-        (["demo", "--frobnicate"], "unrecognized arguments"),
-        (["frobnicate"], "invalid choice"),
-        ([], "required"),
+        (["demo", "--output", "/nonexistent-dir/x.png"], "Invalid value for --output: directory"),
+        (["demo", "--frobnicate"], "No such option '--frobnicate'"),
+        (["frobnicate"], "No such command 'frobnicate'"),
     ],
 )
 def test_bad_options_give_a_usage_error(
@@ -138,8 +150,47 @@ def test_bad_options_give_a_usage_error(
         main(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: dask-shm")
+    assert err.startswith("Usage: dask-shm")
     assert message in err
+
+
+def test_no_command_shows_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([])
+    out = capsys.readouterr()
+    assert "info" in out.out + out.err and "demo" in out.out + out.err
+
+
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["--size", "10TB"], "of host memory (2.5x the array in the stock run) but only"),
+        (["--size", "1GiB", "--workers", "64"], "exceeds this host's RAM"),
+        (["--size", "1GiB", "--chunk", "1MiB"], "row blocks, so x @ x.T has"),
+    ],
+)
+def test_sizes_that_do_not_fit_are_refused_before_anything_runs(
+    argv: list[str], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "these sizes do not fit on this host" in err and reason in err
+    assert "pass --force to run anyway" in err
+
+
+def test_unfit_reasons_and_estimate_follow_the_sizes() -> None:
+    from dask_shm.demo.options import estimated_seconds, unfit_reasons
+
+    config = default_config(size=2 * GiB, workers=2, cores=2, total_memory=24 * GiB)
+    assert unfit_reasons(config, total_memory=24 * GiB, available_memory=20 * GiB) == []
+    [reason] = unfit_reasons(config, total_memory=24 * GiB, available_memory=4 * GiB)
+    assert reason.startswith("--size 2.00 GiB needs about 5.00 GiB")
+    # The README's default run (2 GiB, 2 workers, 2 cores): about 4 minutes.
+    assert 180 <= estimated_seconds(config, cores=2) <= 270
+    quick = default_config(quick=True, cores=2, total_memory=24 * GiB)
+    assert estimated_seconds(quick, cores=2) < 60
 
 
 def test_defaults_are_sized_from_the_machine() -> None:
@@ -170,6 +221,7 @@ def _result(label: str, ours: bool, wall: float, result: float, **kw: int) -> Ru
         worker_peak_private=2 * GiB,
         spilled_peak=0,
         tcp_bytes=GiB,
+        disk_spilled_peak=GiB // 2,
         link_bytes=0,
     )
     figures.update(kw)
@@ -179,14 +231,30 @@ def _result(label: str, ours: bool, wall: float, result: float, **kw: int) -> Ru
 def test_table_reports_ratios_and_flags_different_results() -> None:
     stock = _result("stock distributed", False, 10.0, 1.0)
     ours = _result("dask-shm", True, 5.0, 1.0 + 1e-3, host_peak_increase=2 * GiB, tcp_bytes=0)
+    ours.shared_peak, ours.disk_spilled_peak = GiB, 0
+    ours.link_transfers, ours.fallback_transfers, ours.tcp_bytes = 3, 1, 4875
     lines = format_table(stock, ours).splitlines()
-    assert lines[0].split() == ["stock", "distributed", "dask-shm", "ours/stock"]
+    assert lines[0].split() == [
+        "stock",
+        "distributed",
+        "dask-shm",
+        "ours/stock",
+        "(lower",
+        "is",
+        "better)",
+    ]
     by_name = {line.split("  ")[0]: line for line in lines[2:]}
     assert by_name["wall time"].endswith("0.50")
     assert by_name["host memory, peak increase"].endswith("0.50")
     assert by_name["moved between workers, TCP"].endswith("0.00")
     assert by_name["moved between workers, hard link"].endswith("-")
     assert by_name["result"].endswith("DIFFERENT")
+    # Shared tmpfs bytes and disk spilling are separate rows.
+    assert by_name["shared on tmpfs, peak (all workers)"].split()[-3:] == ["1.00", "GiB", "-"]
+    assert by_name["spilled to disk, peak (all workers)"].split()[-3:] == ["0", "B", "0.00"]
+    # The TCP row and the closing line give the same figure.
+    assert by_name["moved between workers, TCP"].split()[-3:-1] == ["4.76", "kiB"]
+    assert lines[-1].endswith("1 (4.76 kiB) over TCP")
     ours_close = _result("dask-shm", True, 5.0, 1.0 + 1e-9)
     assert format_table(stock, ours_close).splitlines()[-1].endswith("same")
 
@@ -237,3 +305,14 @@ def test_plot_of_synthetic_runs(tmp_path: Path) -> None:
     plot_runs(runs, path, title="synthetic")
     assert path.read_bytes()[:8] == PNG_SIGNATURE
     assert imread(path).shape[2] in (3, 4)
+
+
+def test_demo_without_matplotlib_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--quick"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert 'pip install "dask-shm[demo]"' in err

@@ -21,9 +21,11 @@ from distributed.spill import SpilledSize
 
 from dask_shm._core import FileStore, SpillFileError
 from dask_shm._core import __version__ as __version__
+from dask_shm.compat import warn_if_hooks_missing
 from dask_shm.config import load_defaults
 
 load_defaults()
+warn_if_hooks_missing()
 
 from dask_shm.local import get  # noqa: E402
 from dask_shm.preload import dask_setup  # noqa: E402

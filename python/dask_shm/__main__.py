@@ -1,5 +1,3 @@
-import sys
-
 from dask_shm.cli import main
 
-sys.exit(main())
+main()

@@ -1,43 +1,48 @@
-"""``dask-shm`` command line (also ``python -m dask_shm``).
+"""dask-shm's commands: ``dask shm info`` and ``dask shm demo``.
 
-``dask-shm demo`` runs an all-to-all array workload on a LocalCluster of worker
-processes twice, with stock distributed and with dask-shm's shared-memory
-mode, and prints the two side by side (see :mod:`dask_shm.demo`).
-``dask-shm info`` reports whether this host is ready for shared-memory mode.
+dask's own CLI (``dask``) adds the click command or group of every
+``dask_cli`` entry point as a subcommand, the way distributed adds ``dask
+scheduler`` and ``dask worker``; ours is the group :data:`shm`. The
+``dask-shm`` script and ``python -m dask_shm`` run the same group.
+
+Importing this module registers dask-shm's config defaults
+(:func:`dask_shm.config.load_defaults`): the ``dask`` CLI imports every
+``dask_cli`` entry point before it runs a command, which is how ``dask config
+get shm`` and ``dask config list`` see our defaults (distributed's the same
+way).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 
-from dask_shm.demo.command import add_demo_parser, run_demo_command
-from dask_shm.info import add_info_parser, collect_info, format_info
+import click
+
+from dask_shm.config import load_defaults
+from dask_shm.demo.command import demo
+from dask_shm.info.command import info
+
+load_defaults()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dask-shm", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_info_parser(sub)
-    add_demo_parser(sub)
-    return parser
+@click.group(name="shm", context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dask-shm")
+def shm() -> None:
+    """dask-shm: Rust-accelerated spilling and shared memory for Dask workers."""
 
 
-def _run_info(args: argparse.Namespace) -> int:
-    """``dask-shm info``: print the report; problems are warnings, so exit 0."""
-    print(format_info(collect_info(args.root, args.scheduler, timeout=args.timeout)))
-    return 0
+shm.add_command(info)
+shm.add_command(demo)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "info":
-        return _run_info(args)
-    if args.command == "demo":
-        return run_demo_command(args)
-    raise AssertionError(args.command)  # argparse rejects unknown commands
+    """The ``dask-shm`` script: ``dask-shm info``, ``dask-shm demo``.
+
+    Returns 0 on success; a usage error exits with code 2 and a failed demo
+    (different results) with 1, through SystemExit, as click does."""
+    shm.main(args=list(argv) if argv is not None else None, prog_name="dask-shm")
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

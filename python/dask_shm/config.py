@@ -1,4 +1,9 @@
-"""dask-shm's dask config namespace ``shm``: shipped defaults and validation."""
+"""dask-shm's dask config namespace ``shm``: shipped defaults and validation.
+
+The defaults are ``dask-shm.yaml``; ``dask-shm-schema.yaml`` describes every
+key (JSON schema, in the style of distributed's ``distributed-schema.yaml``).
+Validation errors name the key and say what is accepted in the schema's words
+(the first line of the key's description)."""
 
 from __future__ import annotations
 
@@ -10,15 +15,57 @@ import yaml
 from dask.utils import parse_bytes
 
 _DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "dask-shm.yaml")
+SCHEMA_FILE = os.path.join(os.path.dirname(__file__), "dask-shm-schema.yaml")
 SWITCHES = ("spill-buffer", "amm", "spans")
 
 
-def _read_defaults() -> dict:
-    with open(_DEFAULTS_FILE) as f:
+def _read_yaml(path: str) -> dict:
+    with open(path) as f:
         return yaml.safe_load(f)
 
 
-DEFAULTS: dict = _read_defaults()
+DEFAULTS: dict = _read_yaml(_DEFAULTS_FILE)
+#: The JSON schema of the ``shm`` namespace (``dask-shm-schema.yaml``).
+SCHEMA: dict = _read_yaml(SCHEMA_FILE)
+
+
+def _schema_of(key: str) -> dict:
+    node = SCHEMA
+    for part in key.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def accepted(key: str) -> str:
+    """What ``key`` (e.g. ``"shm.shared-memory.min-size"``) accepts, from the
+    first line of its schema description. Raises KeyError for a key the
+    schema does not describe."""
+    return str(_schema_of(key)["description"]).strip().splitlines()[0]
+
+
+def invalid(key: str, value: object) -> ValueError:
+    """The ValueError for a bad ``value`` of ``key``: names both and says
+    what is accepted."""
+    return ValueError(f"config {key} must be {accepted(key)}; got {value!r}")
+
+
+def unknown_keys(config: object = None, prefix: str = "shm") -> list[str]:
+    """Keys set under ``shm`` (default: the current dask config) that the
+    schema does not know, e.g. a typo such as ``shm.shared-memory.enable``;
+    dask treats ``_`` and ``-`` alike, so ``min_size`` is known."""
+    if config is None:
+        config = dask.config.get(prefix, default={})
+    if not isinstance(config, dict):
+        return []
+    node = _schema_of(prefix).get("properties", {})
+    out = []
+    for key, value in config.items():
+        name = str(key).replace("_", "-")
+        if name not in node:
+            out.append(f"{prefix}.{name}")
+        elif node[name].get("type") == "object":
+            out.extend(unknown_keys(value, f"{prefix}.{name}"))
+    return out
 
 
 def load_defaults() -> None:
@@ -40,7 +87,7 @@ def enabled(switch: str) -> bool:
     # (e.g. by test harnesses) and so lost the registered defaults.
     value = dask.config.get(f"shm.{switch}", default=DEFAULTS["shm"][switch])
     if not isinstance(value, bool):
-        raise ValueError(f"config shm.{switch} must be true or false; got {value!r}")
+        raise invalid(f"shm.{switch}", value)
     return value
 
 
@@ -57,10 +104,7 @@ def spill_recycle_bytes() -> int:
         if value < 0:
             raise ValueError
     except (TypeError, ValueError):
-        raise ValueError(
-            "config shm.spill-recycle-bytes must be a byte size such as '256 MiB' or 0 "
-            f"(no recycling); got {raw!r}"
-        ) from None
+        raise invalid("shm.spill-recycle-bytes", raw) from None
     return int(value)
 
 
@@ -90,15 +134,10 @@ class SharedMemorySettings:
 
         enabled = get("enabled")
         if not isinstance(enabled, bool):
-            raise ValueError(
-                f"config shm.shared-memory.enabled must be true or false; got {enabled!r}"
-            )
+            raise invalid("shm.shared-memory.enabled", enabled)
         root = get("root")
         if not isinstance(root, str) or not os.path.isabs(root):
-            raise ValueError(
-                "config shm.shared-memory.root must be an absolute path to a directory "
-                f"on a tmpfs such as /dev/shm; got {root!r}"
-            )
+            raise invalid("shm.shared-memory.root", root)
         raw_min_size = get("min-size")
         try:
             if isinstance(raw_min_size, bool):
@@ -107,18 +146,12 @@ class SharedMemorySettings:
             if min_size < 0:
                 raise ValueError
         except (TypeError, ValueError):
-            raise ValueError(
-                "config shm.shared-memory.min-size must be a byte size such as '64 KiB' "
-                f"or a number of bytes >= 0; got {raw_min_size!r}"
-            ) from None
+            raise invalid("shm.shared-memory.min-size", raw_min_size) from None
         fraction = get("min-shared-fraction")
         if (
             isinstance(fraction, bool)
             or not isinstance(fraction, (int, float))
             or not 0 <= fraction <= 1
         ):
-            raise ValueError(
-                "config shm.shared-memory.min-shared-fraction must be a number between "
-                f"0 and 1; got {fraction!r}"
-            )
+            raise invalid("shm.shared-memory.min-shared-fraction", fraction)
         return cls(enabled, root, int(min_size), float(fraction))

@@ -1,115 +1,140 @@
-"""``dask-shm demo`` command-line options and entry point."""
+"""``dask shm demo`` / ``dask-shm demo``: options and entry point (click)."""
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from typing import Any
 
-from dask.utils import format_bytes, parse_bytes
+import click
+from dask.utils import format_bytes, format_time, parse_bytes
 
-DESCRIPTION = """\
-Runs (x @ x.T).sum(), x a dask array of random floats, on a local cluster of
+HELP = """\
+Run (x @ x.T).sum(), x a dask array of random floats, on a local cluster of
 worker processes twice: with stock distributed, then with dask-shm's
 shared-memory mode. Prints wall time, memory and transfer figures side by side
-and writes a plot of memory over time. Sizes default to about RAM/12 (at most
-2 GiB) for x, with memory limits that let the cluster hold x about twice."""
+(ratios are ours/stock, lower is better) and writes a plot of memory over time.
+
+Sizes default to about RAM/12 (at most 2 GiB) for x, with memory limits that
+let the cluster hold x about twice. The default run takes about 4 minutes on a
+2-core machine (--quick: under a minute); the estimate for the chosen sizes is
+printed first. Sizes that do not fit in this host's memory are refused unless
+--force is given. Needs matplotlib for the plot: pip install "dask-shm[demo]".
+"""
 
 
-def positive_bytes(text: str) -> int:
-    """argparse type: a byte size such as ``256MiB`` or ``1e9``, > 0."""
+class ByteSize(click.ParamType):
+    """A byte size such as ``256MiB`` or ``1e9``, > 0."""
+
+    name = "bytes"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            parsed = value
+        else:
+            try:
+                parsed = int(parse_bytes(value))
+            except (ValueError, TypeError):
+                self.fail(f"not a byte size: {value!r} (try e.g. 256MiB)", param, ctx)
+        if parsed <= 0:
+            self.fail(f"must be positive: {value!r}", param, ctx)
+        return parsed
+
+
+BYTES = ByteSize()
+POSITIVE = click.IntRange(min=1)
+
+
+@click.command(
+    name="demo",
+    help=HELP,
+    short_help="All-to-all array workload: stock distributed vs dask-shm shared memory.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+@click.option("--size", type=BYTES, help="bytes of x [default: min(2GiB, RAM/12); --quick 256MiB]")
+@click.option(
+    "--chunk", type=BYTES, help="bytes per row block of x [default: 64MiB; --quick 16MiB]"
+)
+@click.option("--workers", type=POSITIVE, help="worker processes [default: max(2, min(4, cores))]")
+@click.option("--threads", type=POSITIVE, help="threads per worker [default: 1]")
+@click.option(
+    "--memory-limit",
+    type=BYTES,
+    help="memory limit per worker [default: the cluster holds x about twice, >= 512MiB]",
+)
+@click.option(
+    "--output",
+    default="dask-shm-demo.png",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="PNG file for the plot",
+)
+@click.option("--quick", is_flag=True, help="small sizes: both runs in under a minute")
+@click.option(
+    "--force", is_flag=True, help="run even if the sizes do not fit in this host's memory"
+)
+def demo(
+    size: int | None,
+    chunk: int | None,
+    workers: int | None,
+    threads: int | None,
+    memory_limit: int | None,
+    output: str,
+    quick: bool,
+    force: bool,
+) -> None:
+    """Exit code 0 when both runs give the same result, 1 otherwise, 2 for a
+    usage error (bad option, sizes that do not fit without ``--force``)."""
+    import psutil
+
+    from dask_shm.demo.options import (
+        check_memory_limit,
+        default_config,
+        estimated_seconds,
+        unfit_reasons,
+    )
+
     try:
-        value = parse_bytes(text)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try e.g. 256MiB)") from e
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return int(value)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
+        config = default_config(
+            quick=quick,
+            size=size,
+            chunk=chunk,
+            workers=workers,
+            threads=threads,
+            memory_limit=memory_limit,
+            output=output,
+        )
+        check_memory_limit(config)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from e
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
+        raise click.UsageError(str(e)) from None
+    directory = os.path.dirname(os.path.abspath(config.output))
+    if not os.path.isdir(directory):
+        raise click.BadParameter(f"directory {directory!r} does not exist", param_hint="--output")
+    if not os.access(directory, os.W_OK):
+        raise click.BadParameter(f"directory {directory!r} is not writable", param_hint="--output")
+    memory = psutil.virtual_memory()
+    reasons = unfit_reasons(config, total_memory=memory.total, available_memory=memory.available)
+    if reasons and not force:
+        raise click.UsageError(
+            "these sizes do not fit on this host:\n  - "
+            + "\n  - ".join(reasons)
+            + "\nchoose smaller sizes, or pass --force to run anyway"
+        )
+    for reason in reasons:
+        click.echo(f"dask-shm demo: warning (--force): {reason}", err=True)
+    try:
+        from dask_shm.demo.plot import require_matplotlib
 
+        require_matplotlib()
+    except ImportError as e:
+        raise click.ClickException(str(e)) from None
 
-def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``demo`` subcommand to ``subparsers`` (from
-    ``ArgumentParser.add_subparsers``) and return its parser."""
-    demo = subparsers.add_parser(
-        "demo",
-        help="all-to-all array workload: stock distributed vs dask-shm shared memory",
-        description=DESCRIPTION,
-    )
-    demo.add_argument(
-        "--size", type=positive_bytes, help="bytes of x (default min(2GiB, RAM/12); --quick 256MiB)"
-    )
-    demo.add_argument(
-        "--chunk",
-        type=positive_bytes,
-        help="bytes per row block of x (default 64MiB; --quick 16MiB)",
-    )
-    demo.add_argument(
-        "--workers", type=positive_int, help="worker processes (default max(2, min(4, cores)))"
-    )
-    demo.add_argument("--threads", type=positive_int, help="threads per worker (default 1)")
-    demo.add_argument(
-        "--memory-limit",
-        type=positive_bytes,
-        help="memory limit per worker (default: the cluster holds x about twice, >= 512MiB)",
-    )
-    demo.add_argument(
-        "--output",
-        default="dask-shm-demo.png",
-        help="PNG file for the plot (default ./dask-shm-demo.png)",
-    )
-    demo.add_argument(
-        "--quick", action="store_true", help="small sizes: both runs in under a minute"
-    )
-    demo.set_defaults(demo_parser=demo)
-    return demo
-
-
-def run_demo_command(args: argparse.Namespace) -> int:
-    """Run the demo as the parsed ``args`` ask; inconsistent options give the
-    subcommand's usage error (exit code 2)."""
-    from dask_shm.demo.options import default_config
     from dask_shm.demo.runner import run_demo
     from dask_shm.demo.table import results_match
 
-    parser: argparse.ArgumentParser = args.demo_parser
-    try:
-        config = default_config(
-            quick=args.quick,
-            size=args.size,
-            chunk=args.chunk,
-            workers=args.workers,
-            threads=args.threads,
-            memory_limit=args.memory_limit,
-            output=args.output,
-        )
-    except ValueError as e:
-        parser.error(str(e))
-    directory = os.path.dirname(os.path.abspath(config.output))
-    if not os.path.isdir(directory):
-        parser.error(f"--output: directory {directory!r} does not exist")
-    if not os.access(directory, os.W_OK):
-        parser.error(f"--output: directory {directory!r} is not writable")
-    import psutil
-
-    ram = psutil.virtual_memory().total
-    if config.workers * config.memory_limit > ram:
-        print(
-            f"dask-shm demo: warning: {config.workers} workers x "
-            f"{format_bytes(config.memory_limit)} exceed this host's RAM "
-            f"({format_bytes(ram)}); workers are never paused nor restarted in the demo",
-            file=sys.stderr,
-        )
+    click.echo(
+        f"Both runs take roughly {format_time(estimated_seconds(config))} "
+        f"(x is {format_bytes(config.nbytes)}; --quick for a short run).",
+    )
     stock, ours = run_demo(config)
-    return 0 if results_match(stock.result, ours.result) else 1
+    if not results_match(stock.result, ours.result):
+        raise SystemExit(1)

@@ -128,3 +128,84 @@ def default_config(
         memory_limit=memory_limit or 0,
         output=output or "dask-shm-demo.png",
     )
+
+
+#: Host memory one run may need, as a multiple of ``size``: stock peaked at
+#: +2.2x size (2 workers) in the README's runs, and the graph, the result
+#: and the interpreters come on top.
+PEAK_FACTOR = 2.5
+#: Most row blocks of x: ``x @ x.T`` has (row blocks)**2 output blocks, and
+#: the client builds that graph in its own memory before anything runs.
+MAX_ROW_BLOCKS = 256
+#: Smallest acceptable ``--memory-limit``: a worker process with numpy loaded
+#: uses about 150 MiB before it holds any data.
+MIN_WORKER_MEMORY = 256 * MiB
+#: Seconds one run of ``x`` of 1 GiB took on the 2-core dev machine with 2
+#: workers (``dask-shm demo --size 1GiB``: 41.6 s stock, 32.6 s ours); run time
+#: grows about as ``size ** 1.5`` (2 GiB: 113 s / 85 s) and with workers
+#: beyond the cores (4 workers on 2 cores: 1.9x).
+SECONDS_PER_GIB_RUN = 37.0
+STARTUP_SECONDS = 5.0
+
+
+def row_blocks(config: DemoConfig) -> int:
+    """Row blocks of x (``x @ x.T`` has this many squared output blocks)."""
+    n, _ = config.shape
+    rows, _ = config.chunks
+    return -(-n // rows)
+
+
+def unfit_reasons(config: DemoConfig, *, total_memory: int, available_memory: int) -> list[str]:
+    """Why ``config`` cannot run on a host with this RAM (``total_memory``)
+    and ``MemAvailable`` (``available_memory``): each reason names the option
+    to change; empty when it fits. ``--force`` runs it anyway."""
+    reasons = []
+    need = int(PEAK_FACTOR * config.nbytes)
+    if need > available_memory:
+        reasons.append(
+            f"--size {format_bytes(config.nbytes)} needs about {format_bytes(need)} of host "
+            f"memory ({PEAK_FACTOR}x the array in the stock run) but only "
+            f"{format_bytes(available_memory)} is available"
+        )
+    cluster = config.workers * config.memory_limit
+    if cluster > total_memory:
+        reasons.append(
+            f"--workers {config.workers} x --memory-limit {format_bytes(config.memory_limit)} "
+            f"= {format_bytes(cluster)} exceeds this host's RAM ({format_bytes(total_memory)}); "
+            "workers are never paused nor restarted in the demo"
+        )
+    blocks = row_blocks(config)
+    if blocks > MAX_ROW_BLOCKS:
+        reasons.append(
+            f"--size / --chunk gives {blocks:,} row blocks, so x @ x.T has {blocks**2:,} "
+            f"blocks: building that graph alone would take the client's memory "
+            f"(at most {MAX_ROW_BLOCKS} row blocks; use a larger --chunk)"
+        )
+    return reasons
+
+
+def check_memory_limit(config: DemoConfig) -> None:
+    """Raises ValueError (naming ``--memory-limit``) for a limit no worker of
+    this workload can run under: below what an idle worker process uses, or
+    smaller than the two row blocks and the output block one task holds."""
+    rows, m = config.chunks
+    block = 8 * rows * m
+    task = 2 * block + 8 * rows * rows
+    floor = max(MIN_WORKER_MEMORY, task + MIN_WORKER_MEMORY // 2)
+    if config.memory_limit < floor:
+        raise ValueError(
+            f"--memory-limit {format_bytes(config.memory_limit)} is too small: a worker "
+            f"process uses about 150 MiB idle and one task of this workload holds "
+            f"{format_bytes(task)} (two row blocks and an output block); use at least "
+            f"{format_bytes(floor)}"
+        )
+
+
+def estimated_seconds(config: DemoConfig, cores: int | None = None) -> float:
+    """Rough duration of the whole demo (both runs), from the dev machine's
+    measurements (see :data:`SECONDS_PER_GIB_RUN`); workers beyond ``cores``
+    (default: this host's) slow it down in proportion."""
+    cores = cores or CPU_COUNT
+    gib = config.nbytes / GiB
+    oversubscribed = max(1.0, config.workers * config.threads / cores)
+    return 2 * (STARTUP_SECONDS + SECONDS_PER_GIB_RUN * gib**1.5 * oversubscribed)

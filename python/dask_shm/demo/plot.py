@@ -14,7 +14,7 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from dask_shm.demo.runner import RunResult
+from dask_shm.demo.result import RunResult
 
 COLORS = {
     "unmanaged": "#bdbdbd",
@@ -31,6 +31,18 @@ def _unit(peak: float) -> tuple[str, float]:
 
 def _worker_order(name: str) -> tuple[int, int | str]:
     return (0, int(name)) if name.isdigit() else (1, name)
+
+
+def require_matplotlib() -> None:
+    """Raises ImportError saying how to install matplotlib (the ``demo``
+    extra) when it is missing, before any run is started."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "dask-shm demo draws its plot with matplotlib, which is not installed: "
+            'pip install "dask-shm[demo]" (or pip install matplotlib)'
+        ) from None
 
 
 def plot_runs(runs: Sequence[RunResult], path: str | os.PathLike[str], title: str = "") -> None:

@@ -7,7 +7,6 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import dask
@@ -19,7 +18,8 @@ from tornado.ioloop import IOLoop
 
 from dask_shm.demo.options import DemoConfig
 from dask_shm.demo.progress import show_progress
-from dask_shm.demo.sampling import ClusterMemorySampler, WorkerSeries
+from dask_shm.demo.result import RunResult
+from dask_shm.demo.sampling import ClusterMemorySampler
 from dask_shm.procmem import MemorySampler
 
 #: The same for both runs: memory target/spill fractions keep their defaults,
@@ -37,45 +37,6 @@ OURS_LABEL = "dask-shm"
 #: the scheduler's view of worker memory.
 HOST_INTERVAL = 0.1
 CLUSTER_INTERVAL = 0.25
-
-
-@dataclass
-class RunResult:
-    """Measurements of one run. Bytes are bytes; times are seconds since the
-    run started (before the cluster was created)."""
-
-    label: str
-    #: Whether dask-shm's shared-memory mode was on.
-    ours: bool
-    #: Time from submitting the graph to having the result.
-    wall_seconds: float
-    #: The workload's result, ``float((x @ x.T).sum())``.
-    result: float
-    #: Peak of ``MemTotal - MemAvailable`` minus its value when the run
-    #: started.
-    host_peak_increase: int
-    #: Largest private memory (RSS minus shared pages) of any worker process.
-    worker_peak_private: int
-    #: Largest sum over workers of spilled bytes (scheduler's view).
-    spilled_peak: int
-    #: Bytes workers sent each other over TCP.
-    tcp_bytes: int
-    #: Bytes workers gave each other as hard links to shared-memory files.
-    link_bytes: int
-    #: Keys sent by hard link; keys (and their bytes) that a shared-memory
-    #: worker sent to a peer as bytes instead (e.g. too small to share).
-    link_transfers: int = 0
-    fallback_transfers: int = 0
-    fallback_bytes: int = 0
-    #: ``(time, host used minus baseline)`` samples.
-    host: list[tuple[float, int]] = field(default_factory=list)
-    #: ``(time, sum of the worker processes' private memory)`` samples.
-    workers_private: list[tuple[float, int]] = field(default_factory=list)
-    #: Worker name -> the scheduler's view of its memory over time.
-    workers: dict[str, WorkerSeries] = field(default_factory=dict)
-    #: When the computation was submitted and when its result arrived.
-    compute_start: float = 0.0
-    compute_end: float = 0.0
 
 
 def shared_memory_plugin() -> WorkerPlugin:
@@ -237,6 +198,12 @@ class DemoRun:
         ]
         outgoing = int(self.counters.get("outgoing_bytes", 0))
         link_bytes = int(self.counters.get("link_bytes", 0))
+        fallback_bytes = int(self.counters.get("fallback_bytes", 0))
+        # Stock's outgoing counter also counts values handed over as hard-link
+        # handles; in shared-memory mode every peer of the demo is on this
+        # host, so what went over TCP as bytes is exactly the fallbacks.
+        tcp_bytes = fallback_bytes if self.ours else outgoing
+        sampler = self.scheduler_sampler
         return RunResult(
             label=self.label,
             ours=self.ours,
@@ -244,12 +211,14 @@ class DemoRun:
             result=self.value,
             host_peak_increase=max(0, max((s.host_used for s in samples), default=0) - baseline),
             worker_peak_private=max(worker_private, default=0),
-            spilled_peak=self.scheduler_sampler.peak_spilled if self.scheduler_sampler else 0,
-            tcp_bytes=max(0, outgoing - link_bytes),
+            spilled_peak=sampler.peak_spilled if sampler else 0,
+            tcp_bytes=tcp_bytes,
             link_bytes=link_bytes,
             link_transfers=int(self.counters.get("link_transfers", 0)),
             fallback_transfers=int(self.counters.get("fallback_transfers", 0)),
-            fallback_bytes=int(self.counters.get("fallback_bytes", 0)),
+            fallback_bytes=fallback_bytes,
+            shared_peak=sampler.peak_shared if sampler else 0,
+            disk_spilled_peak=sampler.peak_disk_spilled if sampler else 0,
             host=[(s.time, s.host_used - baseline) for s in samples],
             workers_private=[
                 (s.time, sum(pm.private for pid, pm in s.processes.items() if pid in self._pids))

@@ -53,14 +53,18 @@ class ClusterMemorySampler:
         self.interval = interval
         #: Worker name (as a string) -> its series.
         self.workers: dict[str, WorkerSeries] = {}
-        #: Largest sum over workers of spilled bytes seen in one sample.
+        #: Largest sum over workers of spilled bytes seen in one sample, and
+        #: of those bytes the ones in shared-memory files (the workers'
+        #: ``shm.shared_bytes`` heartbeat metric) and the others (on disk).
         self.peak_spilled = 0
+        self.peak_shared = 0
+        self.peak_disk_spilled = 0
         self._callback: PeriodicCallback | None = None
 
     def sample(self) -> None:
         """Take one sample (must run on the scheduler's event loop)."""
         now = time.monotonic() - self.t0
-        total_spilled = 0
+        total_spilled = total_shared = 0
         for ws in list(self.scheduler.workers.values()):
             memory = ws.memory
             series = self.workers.setdefault(str(ws.name), WorkerSeries())
@@ -69,7 +73,13 @@ class ClusterMemorySampler:
             series.unmanaged.append(memory.unmanaged)
             series.spilled.append(memory.spilled)
             total_spilled += memory.spilled
+            shm = ws.metrics.get("shm")
+            if isinstance(shm, dict):
+                # From the same heartbeat as ws.memory; never more than spilled.
+                total_shared += min(memory.spilled, int(shm.get("shared_bytes", 0)))
         self.peak_spilled = max(self.peak_spilled, total_spilled)
+        self.peak_shared = max(self.peak_shared, total_shared)
+        self.peak_disk_spilled = max(self.peak_disk_spilled, total_spilled - total_shared)
 
     async def _start(self) -> None:
         self.sample()

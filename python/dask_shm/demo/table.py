@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from dask.utils import format_bytes
 
-from dask_shm.demo.runner import RunResult
+from dask_shm.demo.result import RunResult
 
 #: Relative tolerance within which the two runs' results count as the same.
 RTOL = 1e-6
@@ -31,7 +31,8 @@ ROWS: list[tuple[str, str, Callable[[float], str]]] = [
     ("wall time", "wall_seconds", _seconds),
     ("host memory, peak increase", "host_peak_increase", _bytes),
     ("worker private memory, peak", "worker_peak_private", _bytes),
-    ("spilled or shared, peak (all workers)", "spilled_peak", _bytes),
+    ("shared on tmpfs, peak (all workers)", "shared_peak", _bytes),
+    ("spilled to disk, peak (all workers)", "disk_spilled_peak", _bytes),
     ("moved between workers, TCP", "tcp_bytes", _bytes),
     ("moved between workers, hard link", "link_bytes", _bytes),
 ]
@@ -43,10 +44,16 @@ def _ratio(stock: float, ours: float) -> str:
     return f"{ours / stock:.2f}"
 
 
+#: Heading of the ratio column: which way round, and which way is good.
+RATIO_HEADING = "ours/stock (lower is better)"
+
+
 def format_table(stock: RunResult, ours: RunResult) -> str:
     """Rows of measurements with stock, ours and the ratio ours/stock (lower
-    is better for every row); the result row says "same" or "DIFFERENT"."""
-    header = ("", stock.label, ours.label, "ours/stock")
+    is better for every row, "-" where stock's figure is 0); the result row
+    says "same" or "DIFFERENT". The TCP row and the closing line about
+    transfers give the same TCP figure."""
+    header = ("", stock.label, ours.label, RATIO_HEADING)
     rows = [header]
     for name, attr, fmt in ROWS:
         a, b = getattr(stock, attr), getattr(ours, attr)
@@ -68,6 +75,6 @@ def format_table(stock: RunResult, ours: RunResult) -> str:
         text += (
             f"\n\n{ours.label}: {ours.link_transfers:,} keys "
             f"({format_bytes(ours.link_bytes)}) sent by hard link, "
-            f"{ours.fallback_transfers:,} ({format_bytes(ours.fallback_bytes)}) over TCP"
+            f"{ours.fallback_transfers:,} ({format_bytes(ours.tcp_bytes)}) over TCP"
         )
     return text

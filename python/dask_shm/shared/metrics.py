@@ -1,13 +1,27 @@
 """Shared-memory figures of a worker: ``shm_metrics``, the worker's
 ``get_metrics()`` (key ``"shm"``, which reaches the scheduler in heartbeats)
-and Prometheus gauges ``dask_worker_shm_*``."""
+and Prometheus series ``<namespace>_worker_shm_*`` on the worker's
+``/metrics`` page, named as distributed names its own (namespace from
+``distributed.dashboard.prometheus.namespace``, ``dask`` by default):
+
+- gauges ``..._shm_shared_bytes`` and ``..._shm_retained_keys``;
+- counters (``_total``): ``..._shm_link_transfers_total``,
+  ``..._shm_link_bytes_total``, ``..._shm_fallback_transfers_total``,
+  ``..._shm_fallback_bytes_total``, ``..._shm_received_links_total``,
+  ``..._shm_received_bytes_total``, ``..._shm_adopt_failures_total``,
+  ``..._shm_receive_fallback_transfers_total``, ``..._shm_degraded_reads_total``.
+
+All carry a ``worker`` label (the worker's address): one process may hold
+several workers (``LocalCluster(processes=False)``)."""
 
 from __future__ import annotations
 
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import dask.config
 
 from dask_shm.shared import transfer
 
@@ -67,17 +81,54 @@ _registered = False
 _lock = threading.Lock()
 
 
+class Series(NamedTuple):
+    """How one figure of :func:`shm_metrics` is exported to Prometheus."""
+
+    #: Name after ``<namespace>_worker_shm_``, without the unit and ``_total``.
+    name: str
+    kind: Literal["gauge", "counter"]
+    #: Unit suffix as distributed uses them ("bytes", "seconds") or "".
+    unit: str
+
+
+#: Figure of :func:`shm_metrics` -> its Prometheus series.
+SERIES: dict[str, Series] = {
+    "shared_bytes": Series("shared", "gauge", "bytes"),
+    "retained_keys": Series("retained_keys", "gauge", ""),
+    "link_transfers": Series("link_transfers", "counter", ""),
+    "link_bytes": Series("link", "counter", "bytes"),
+    "fallback_transfers": Series("fallback_transfers", "counter", ""),
+    "fallback_bytes": Series("fallback", "counter", "bytes"),
+    "received_links": Series("received_links", "counter", ""),
+    "received_bytes": Series("received", "counter", "bytes"),
+    "adopt_failures": Series("adopt_failures", "counter", ""),
+    "receive_fallback_transfers": Series("receive_fallback_transfers", "counter", ""),
+    "degraded_reads": Series("degraded_reads", "counter", ""),
+}
+
+
+def metric_name(series: Series) -> str:
+    """``<namespace>_worker_shm_<name>``, as distributed's collectors build
+    names (an empty namespace gives ``worker_shm_<name>``); prometheus_client
+    appends the unit and ``_total``."""
+    namespace = dask.config.get("distributed.dashboard.prometheus.namespace", default="dask")
+    return "_".join(p for p in (namespace, "worker", "shm", series.name) if p)
+
+
 class _Collector:
     """Prometheus collector over the shared-memory workers of this process."""
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         figures = {w.address: shm_metrics(w) for w in list(_workers)}
-        for name, doc in _DESCRIPTIONS.items():
-            family = GaugeMetricFamily(f"dask_worker_shm_{name}", doc, labels=["worker"])
+        for figure, series in SERIES.items():
+            family_type = CounterMetricFamily if series.kind == "counter" else GaugeMetricFamily
+            family = family_type(
+                metric_name(series), _DESCRIPTIONS[figure], labels=["worker"], unit=series.unit
+            )
             for address, values in figures.items():
-                family.add_metric([address], values[name])
+                family.add_metric([address], values[figure])
             yield family
 
 

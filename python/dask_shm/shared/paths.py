@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import sys
 from dataclasses import dataclass
 
@@ -138,9 +139,34 @@ def _make_private_dir(path: str) -> str:
     return path
 
 
+def user_dir_path(root: str) -> str:
+    """``<root>/dask-shm-<uid>``: this user's directory under ``root`` (not created)."""
+    return os.path.join(root, f"dask-shm-{os.geteuid()}")
+
+
+def user_dir_problem(path: str) -> str:
+    """What keeps dask-shm from using the existing private directory ``path``
+    (a symbolic link, not a directory, another user's), as a phrase; "" when
+    nothing does, including when it does not exist yet (it is created 0700
+    when first needed, and a wrong mode is fixed then). Never raises."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        return f"cannot be inspected ({e.strerror or e})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})"
+    return ""
+
+
 def user_root(root: str) -> str:
     """``<root>/dask-shm-<uid>``, created 0700 if needed."""
-    return _make_private_dir(os.path.join(root, f"dask-shm-{os.geteuid()}"))
+    return _make_private_dir(user_dir_path(root))
 
 
 def process_dir(root: str) -> str:

@@ -45,6 +45,13 @@ def max_map_count() -> int:
         return 65530
 
 
+def map_budget(max_maps: int | None = None) -> int:
+    """Mappings a process may hold before its shared stores read by copy
+    instead of mapping: half of ``max_maps`` (default: :func:`max_map_count`),
+    leaving the rest to the interpreter, libraries and other mappings."""
+    return (max_map_count() if max_maps is None else max_maps) // 2
+
+
 @dataclass
 class Retained:
     """A key whose value is in memory, backed by its still-existing file."""
@@ -103,7 +110,7 @@ class SharedSpillStore(SpillStore):
         self._private_cache: weakref.WeakValueDictionary[Key, object] = (
             weakref.WeakValueDictionary()
         )
-        self._map_budget = max_map_count() // 2
+        self._map_budget = map_budget()
         self.degraded_reads = 0
 
     # -- writing -------------------------------------------------------------

@@ -23,16 +23,30 @@ the worker are reported with ``span_id=""``):
 - ``<ns>_worker_span_memory_bytes{span_id, type}``;
 - ``<ns>_worker_span_spill_bytes_total{span_id, direction}`` and
   ``<ns>_worker_span_spill_seconds_total{...}``.
+
+``<ns>`` is ``distributed.dashboard.prometheus.namespace`` (``dask`` by default),
+as for distributed's own series.
+
+Bounded: a long-lived cluster runs one span per computation, so finished spans
+are folded. A span's spill counters move into one series with
+``span_id="finished"`` (and ``span="finished"`` on the scheduler) once it is done
+(scheduler: all its tasks finished; worker: it holds no keys and its counters have
+not changed) for ``shm.prometheus.span-retention`` (5 minutes by default). The
+folded series is the sum of the folded spans, so every counter stays monotone and
+sums over spans still add up. Memory gauges are only exported for spans that hold
+something, so they are bounded by the data held.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import dask.config
+from dask.utils import parse_timedelta
 
 from dask_shm.spans.span import MEMORY_FIELDS, Span
 
@@ -78,23 +92,94 @@ def _pick(exts: weakref.WeakSet[Any], server: Any, attr: str) -> Any:
     return None
 
 
+#: ``span_id`` (and ``span``) label of the series finished spans are folded into;
+#: real span ids are UUIDs.
+FOLDED = "finished"
+DEFAULT_RETENTION = 300.0
+
+
+def retention() -> float:
+    """``shm.prometheus.span-retention`` in seconds: how long a finished span
+    keeps series of its own. Raises ValueError naming the key."""
+    from dask_shm.config import invalid
+
+    raw = dask.config.get("shm.prometheus.span-retention", default=DEFAULT_RETENTION)
+    try:
+        if isinstance(raw, bool):
+            raise TypeError
+        value = parse_timedelta(raw, default="seconds")
+        if value is None or value < 0:
+            raise ValueError
+    except (TypeError, ValueError, KeyError):  # KeyError: unknown time unit
+        raise invalid("shm.prometheus.span-retention", raw) from None
+    return float(value)
+
+
 def _name(subsystem: str, name: str) -> str:
-    namespace = dask.config.get("distributed.dashboard.prometheus.namespace")
+    namespace = dask.config.get("distributed.dashboard.prometheus.namespace", default="dask")
     return "_".join(p for p in (namespace, subsystem, name) if p)
+
+
+def _sum_into(total: dict[str, float], figures: dict[str, float]) -> None:
+    for k, v in figures.items():
+        total[k] = total.get(k, 0.0) + v
+
+
+class IdleSpans:
+    """Which span ids' spill counters have not changed for a while (the worker
+    does not know when a span finishes). Keeps state for live spans and the set
+    of folded ids (as long-lived as the worker's own ``digests_total``, which
+    holds several entries per span)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[tuple[float, ...], float]] = {}
+        self.folded: set[str] = set()
+
+    def split(
+        self,
+        figures: dict[str, dict[str, float]],
+        holding: Iterable[str],
+        now: float,
+        retention: float,
+    ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+        """(live spans' figures, the sum of folded spans' figures). A span is
+        folded once it holds no keys (not in ``holding``) and its figures have
+        not changed for ``retention`` seconds; a folded span never comes back."""
+        holding = set(holding)
+        live: dict[str, dict[str, float]] = {}
+        folded: dict[str, float] = {}
+        for span_id, values in figures.items():
+            if span_id in self.folded:
+                _sum_into(folded, values)
+                continue
+            snapshot = tuple(values[k] for k in sorted(values))
+            last = self._last.get(span_id)
+            if last is None or last[0] != snapshot or span_id in holding:
+                self._last[span_id] = (snapshot, now)
+                live[span_id] = values
+            elif now - last[1] >= retention:
+                del self._last[span_id]
+                self.folded.add(span_id)
+                _sum_into(folded, values)
+            else:
+                live[span_id] = values
+        return live, folded
 
 
 def _spill_families(subsystem: str, labels: list[str]) -> tuple[Any, Any]:
     from prometheus_client.core import CounterMetricFamily
 
     nbytes = CounterMetricFamily(
-        _name(subsystem, "span_spill_bytes"),
+        _name(subsystem, "span_spill"),
         "Bytes spilled to / unspilled from disk while tasks of the span ran",
         labels=[*labels, "direction"],
+        unit="bytes",
     )
     seconds = CounterMetricFamily(
-        _name(subsystem, "span_spill_seconds"),
+        _name(subsystem, "span_spill"),
         "Seconds spent spilling to / unspilling from disk while tasks of the span ran",
         labels=[*labels, "direction"],
+        unit="seconds",
     )
     return nbytes, seconds
 
@@ -116,11 +201,14 @@ class SchedulerSpansCollector:
         if ext is None:
             return
         memory = GaugeMetricFamily(
-            _name("scheduler", "span_memory_bytes"),
+            _name("scheduler", "span_memory"),
             "Bytes held on the cluster by the keys of the span (not its children)",
             labels=["span", "span_id", "type"],
+            unit="bytes",
         )
         nbytes, seconds = _spill_families("scheduler", ["span", "span_id"])
+        cutoff = time.time() - retention()
+        folded: dict[str, float] = {}
         for span in list(ext.spans.values()):
             labels = [" / ".join(span.name), span.id]
             held = span.own_held
@@ -128,8 +216,14 @@ class SchedulerSpansCollector:
                 for field, value in zip(MEMORY_FIELDS, held, strict=True):
                     memory.add_metric([*labels, field], value)
             spill = span.own_spill_metrics
-            if any(spill.values()):
+            if not any(spill.values()):
+                continue
+            if not any(held) and span.done and span.stop < cutoff:
+                _sum_into(folded, spill)
+            else:
                 _add_spill(nbytes, seconds, labels, spill)
+        if folded:
+            _add_spill(nbytes, seconds, [FOLDED, FOLDED], folded)
         yield memory
         yield nbytes
         yield seconds
@@ -153,19 +247,35 @@ class WorkerSpansCollector:
                     unattributed[i] += v
             by_span[""] = unattributed
         memory = GaugeMetricFamily(
-            _name("worker", "span_memory_bytes"),
+            _name("worker", "span_memory"),
             "Bytes held by this worker for the keys of the span",
             labels=["span_id", "type"],
+            unit="bytes",
         )
         for span_id, figures in by_span.items():
             for field, value in zip(MEMORY_FIELDS, figures, strict=True):
                 memory.add_metric([span_id, field], value)
         yield memory
         nbytes, seconds = _spill_families("worker", ["span_id"])
-        for span_id, spill in ext.cumulative_spill_by_span().items():
+        live, folded = _idle_worker_spans(ext).split(
+            ext.cumulative_spill_by_span(), by_span, time.monotonic(), retention()
+        )
+        for span_id, spill in live.items():
             _add_spill(nbytes, seconds, [span_id], spill)
+        if folded:
+            _add_spill(nbytes, seconds, [FOLDED], folded)
         yield nbytes
         yield seconds
+
+
+_idle: weakref.WeakKeyDictionary[WorkerSpansSource, IdleSpans] = weakref.WeakKeyDictionary()
+
+
+def _idle_worker_spans(ext: WorkerSpansSource) -> IdleSpans:
+    idle = _idle.get(ext)
+    if idle is None:
+        idle = _idle[ext] = IdleSpans()
+    return idle
 
 
 def _register(kind: str, collector: Any) -> None:

@@ -1,0 +1,160 @@
+"""The distributed internals dask-shm hooks, checked when it is imported.
+
+dask-shm plugs into stock distributed without forking it, and a few of its
+hooks are not public API. :func:`missing_hooks` lists the ones this
+distributed lacks, with what stops working; :func:`warn_if_hooks_missing`
+turns that into one :class:`DistributedCompatibilityWarning` when
+``dask_shm`` is imported, and ``dask shm info`` reports it as a problem with
+a fix, so a distributed that moved an internal never gives a silent
+half-install.
+
+Public distributed API we import (``distributed.spill.SpilledSize``,
+``distributed.spans``, ``distributed.active_memory_manager``, ...) needs no
+check here: an import of a name that is gone fails with ImportError.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class DistributedCompatibilityWarning(UserWarning):
+    """An internal of distributed that dask-shm hooks is missing."""
+
+
+class Hook(NamedTuple):
+    """An internal we rely on: where it is, who uses it, and a test."""
+
+    where: str
+    used_by: str
+    present: Callable[[], bool]
+
+
+def _code_mentions(func: object, name: str) -> bool:
+    """Whether ``func``'s code (nested functions included) uses the string
+    constant or global/attribute ``name``: cheap, no source needed."""
+    code = getattr(inspect.unwrap(func), "__code__", None)  # type: ignore[arg-type]
+    stack = [code] if code is not None else []
+    while stack:
+        current = stack.pop()
+        if name in current.co_names or name in current.co_consts:
+            return True
+        stack.extend(c for c in current.co_consts if inspect.iscode(c))
+    return False
+
+
+def _worker_get_data() -> bool:
+    from distributed.worker import Worker
+
+    return callable(getattr(Worker, "get_data", None)) and _code_mentions(
+        Worker.__init__, "get_data"
+    )
+
+
+def _worker_process_memory_hook() -> bool:
+    from distributed.system_monitor import SystemMonitor
+
+    return callable(getattr(SystemMonitor, "get_process_memory", None))
+
+
+def _nanny_memory_monitor() -> bool:
+    from distributed import worker_memory
+
+    manager = getattr(worker_memory, "NannyMemoryManager", None)
+    return (
+        manager is not None
+        and callable(getattr(manager, "memory_monitor", None))
+        and _code_mentions(manager.__init__, "memory_monitor")
+        and {"memory_limit", "memory_terminate_fraction"} <= set(manager.__annotations__)
+    )
+
+
+def _scheduler_amm_global() -> bool:
+    import distributed.scheduler as scheduler
+
+    return hasattr(scheduler, "ActiveMemoryManagerExtension") and _code_mentions(
+        scheduler.Scheduler.retire_workers, "ActiveMemoryManagerExtension"
+    )
+
+
+def _prometheus_collectors() -> bool:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return True  # no /metrics at all: nothing to hook
+    from distributed.http.scheduler.prometheus import core as scheduler_core
+    from distributed.http.worker.prometheus import core as worker_core
+
+    return hasattr(getattr(scheduler_core, "PrometheusHandler", None), "_collectors") and hasattr(
+        getattr(worker_core, "PrometheusHandler", None), "_collector"
+    )
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook(
+        'distributed.worker.Worker.handlers["get_data"]',
+        "shared-memory mode's same-host transfers by hard link",
+        _worker_get_data,
+    ),
+    Hook(
+        "distributed.system_monitor.SystemMonitor.get_process_memory",
+        "shared-memory mode: shared pages left out of the worker's memory",
+        _worker_process_memory_hook,
+    ),
+    Hook(
+        'distributed.worker_memory.NannyMemoryManager ("memory_monitor" callback)',
+        "shared-memory mode: the nanny's restart check on private memory",
+        _nanny_memory_monitor,
+    ),
+    Hook(
+        "distributed.scheduler.ActiveMemoryManagerExtension (module global read by "
+        "Scheduler.retire_workers)",
+        "dask_shm.amm during retire_workers",
+        _scheduler_amm_global,
+    ),
+    Hook(
+        "distributed.http.{scheduler,worker}.prometheus.core.PrometheusHandler collectors",
+        "per-span Prometheus series",
+        _prometheus_collectors,
+    ),
+)
+
+
+def missing_hooks() -> list[Hook]:
+    """The hooks this distributed lacks (a check that fails to run counts
+    as missing)."""
+    missing = []
+    for hook in HOOKS:
+        try:
+            ok = hook.present()
+        except Exception:
+            ok = False
+        if not ok:
+            missing.append(hook)
+    return missing
+
+
+def describe(missing: list[Hook]) -> str:
+    """One message naming the distributed version, each missing hook and what
+    stops working."""
+    import distributed
+
+    lines = [
+        f"dask-shm cannot hook into distributed {distributed.__version__}; missing:",
+        *(f"  - {hook.where} (used by {hook.used_by})" for hook in missing),
+        "Those features will not work; install a distributed version dask-shm "
+        "supports (see its pyproject.toml) or a newer dask-shm.",
+    ]
+    return "\n".join(lines)
+
+
+def warn_if_hooks_missing() -> list[Hook]:
+    """Warn once (DistributedCompatibilityWarning) if any hook is missing;
+    returns the missing hooks."""
+    missing = missing_hooks()
+    if missing:
+        warnings.warn(describe(missing), DistributedCompatibilityWarning, stacklevel=2)
+    return missing

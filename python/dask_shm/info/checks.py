@@ -1,0 +1,285 @@
+"""Judging the facts of :mod:`dask_shm.info.facts`: a list of :class:`Problem`
+s, each with a fix. Problems are warnings: nothing here changes the system."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, NamedTuple
+
+from dask.utils import format_bytes
+
+from dask_shm.info.facts import PLUGIN_NAME, HostInfo
+from dask_shm.shared.store import map_budget
+
+#: Below this soft RLIMIT_NOFILE a warning is given.
+MIN_OPEN_FILES = 4096
+#: Free space on the root below max(this, MIN_FREE_FRACTION of RAM) is a warning.
+MIN_FREE_BYTES = 2**30
+MIN_FREE_FRACTION = 0.1
+#: Size of a shared value assumed when estimating how many mappings a worker
+#: needs: small for Dask chunks (``array.chunk-size`` is 128 MiB), so the
+#: estimate errs on the side of warning.
+TYPICAL_VALUE_BYTES = 2**20
+#: The kernel's default vm.max_map_count.
+DEFAULT_MAX_MAP_COUNT = 65530
+
+
+class Problem(NamedTuple):
+    """Something that keeps shared-memory mode from working (well), and how
+    to fix it. ``kind`` is a stable identifier for programs and tests:
+    ``root-missing``, ``root-not-directory``, ``root-not-tmpfs``,
+    ``root-filesystem-unknown``, ``root-not-writable``, ``root-low-space``,
+    ``user-directory``, ``open-files``, ``max-map-count``, ``platform``,
+    ``config``, ``scheduler``, ``no-workers``, ``plugin``, ``worker-check``,
+    ``distributed-hooks``."""
+
+    message: str
+    fix: str
+    kind: str = ""
+
+
+def _hook_problems() -> list[Problem]:
+    import distributed
+
+    from dask_shm.compat import missing_hooks
+
+    return [
+        Problem(
+            f"distributed {distributed.__version__} lacks {hook.where}, which dask-shm hooks: "
+            f"{hook.used_by} will not work",
+            "install a distributed version within the range dask-shm declares "
+            "(`pip install dask-shm` resolves one) or upgrade dask-shm",
+            "distributed-hooks",
+        )
+        for hook in missing_hooks()
+    ]
+
+
+def _shareable_bytes(info: HostInfo) -> int | None:
+    """What one worker could hold in shared memory at most: the root's
+    filesystem size, bounded by RAM."""
+    sizes = [v for v in (info.total_bytes if info.on_tmpfs else None, info.memory_total) if v]
+    return min(sizes) if sizes else None
+
+
+def expected_mappings(info: HostInfo) -> int | None:
+    """Mappings a worker would need to hold all the shared memory this host
+    has in values of :data:`TYPICAL_VALUE_BYTES` (None if unknown). The stock
+    limit of 65530 is fine for hosts up to about 32 GiB of tmpfs."""
+    shareable = _shareable_bytes(info)
+    return None if shareable is None else -(-shareable // TYPICAL_VALUE_BYTES)
+
+
+def _round_up(n: int) -> int:
+    """``n`` rounded up to a multiple of 65536 (sysctl values people recognise)."""
+    return -(-n // 65536) * 65536
+
+
+def _config_key(message: str) -> str | None:
+    match = re.search(r"\bshm(?:\.[A-Za-z0-9_-]+)+", message)
+    return match.group(0) if match else None
+
+
+def _env_var(key: str) -> str:
+    return "DASK_" + key.upper().replace(".", "__").replace("-", "_")
+
+
+def find_problems(info: HostInfo) -> list[Problem]:
+    """The problems in ``info``'s facts, each with a fix, in a stable order."""
+    problems: list[Problem] = _hook_problems()
+    add = problems.append
+    set_root = "or set shm.shared-memory.root to a directory on a tmpfs such as /dev/shm"
+
+    if not info.is_linux:
+        add(
+            Problem(
+                f"shared-memory mode needs Linux; on {info.platform} workers fall back to "
+                "private (copying) spilling",
+                "nothing to do for correctness; run the workers on Linux to share memory "
+                "between them",
+                "platform",
+            )
+        )
+
+    root = info.root
+    if not info.root_exists:
+        add(
+            Problem(
+                f"the shared-memory root {root} does not exist",
+                f"create it (on a tmpfs: `mkdir -p {root} && mount -t tmpfs -o size=50% "
+                f"tmpfs {root}` as root) {set_root}",
+                "root-missing",
+            )
+        )
+    elif not info.root_is_dir:
+        add(
+            Problem(
+                f"the shared-memory root {root} is not a directory",
+                f"remove it and create a directory on a tmpfs there, {set_root}",
+                "root-not-directory",
+            )
+        )
+    else:
+        if info.fs_type is None:
+            if info.is_linux:
+                add(
+                    Problem(
+                        f"could not tell which filesystem holds {root} (/proc/mounts unreadable)",
+                        f"check with `df -T {root}` that it is a tmpfs",
+                        "root-filesystem-unknown",
+                    )
+                )
+        elif not info.on_tmpfs:
+            add(
+                Problem(
+                    f"the shared-memory root {root} is on {info.fs_type} (mounted on "
+                    f"{info.mount_point}), not on a tmpfs: spilled values would be written "
+                    "to disk and mapping them shares nothing in RAM",
+                    f"mount a tmpfs there (`mount -t tmpfs -o size=50% tmpfs {root}` as "
+                    f"root) {set_root}",
+                    "root-not-tmpfs",
+                )
+            )
+        if info.writable is False:
+            add(
+                Problem(
+                    f"cannot create files in the shared-memory root {root} ({info.writable_error})",
+                    f"make it writable for this user (e.g. `chmod 1777 {root}` as root, like "
+                    f"/dev/shm) {set_root}",
+                    "root-not-writable",
+                )
+            )
+        if info.free_bytes is not None and info.memory_total is not None:
+            threshold = max(MIN_FREE_BYTES, int(MIN_FREE_FRACTION * info.memory_total))
+            if info.free_bytes < threshold:
+                add(
+                    Problem(
+                        f"only {format_bytes(info.free_bytes)} free on {root} (less than "
+                        f"{format_bytes(threshold)}: {MIN_FREE_FRACTION:.0%} of RAM, at least "
+                        f"{format_bytes(MIN_FREE_BYTES)}); spilling there will fail early",
+                        f"remove stale files there, enlarge the tmpfs (`mount -o remount,"
+                        f"size=50% {info.mount_point or root}` as root) {set_root}",
+                        "root-low-space",
+                    )
+                )
+        if info.user_dir_problem:
+            add(
+                Problem(
+                    f"the per-user directory {info.user_dir} {info.user_dir_problem}; "
+                    "dask-shm will not use it",
+                    "remove it (or have its owner or an administrator remove it) so that "
+                    f"dask-shm creates it again with mode 0700, {set_root}",
+                    "user-directory",
+                )
+            )
+
+    limit = info.open_files
+    if limit is not None and limit.soft is not None and limit.soft < MIN_OPEN_FILES:
+        hard = "unlimited" if limit.hard is None else str(limit.hard)
+        fix = (
+            "raise it in the shell or service that starts the workers: `ulimit -n 65536`"
+            " (systemd: LimitNOFILE=65536)"
+        )
+        if limit.hard is not None and limit.hard < 65536:
+            fix += (
+                f"; the hard limit is {hard}, so raise that first (/etc/security/limits.conf"
+                f" or LimitNOFILE=) or use `ulimit -n {limit.hard}`"
+            )
+        add(
+            Problem(
+                f"the soft limit on open files (RLIMIT_NOFILE) is {limit.soft} (hard: {hard}), "
+                f"below {MIN_OPEN_FILES}: workers holding many shared values may run out of "
+                "file descriptors",
+                fix,
+                "open-files",
+            )
+        )
+
+    expected = expected_mappings(info)
+    if info.max_map_count is not None and expected is not None:
+        budget = map_budget(info.max_map_count)
+        if budget < expected:
+            # Enough for the expected mappings within the budget, plus the default.
+            wanted = _round_up(
+                info.max_map_count * expected // max(budget, 1) + DEFAULT_MAX_MAP_COUNT
+            )
+            add(
+                Problem(
+                    f"vm.max_map_count is {info.max_map_count}: a worker maps at most "
+                    f"{budget:,} shared values (half of it) and then reads by copy, but one "
+                    f"holding the {format_bytes(_shareable_bytes(info) or 0)} this host can "
+                    f"share in values of {format_bytes(TYPICAL_VALUE_BYTES)} would map "
+                    f"{expected:,}",
+                    f"`sysctl -w vm.max_map_count={wanted}` as root (persist it in "
+                    "/etc/sysctl.d/); nothing breaks without it, reads only get slower",
+                    "max-map-count",
+                )
+            )
+
+    for message in info.config_errors:
+        key = _config_key(message)
+        if key is None:
+            fix = "correct the shm.* value in your dask config"
+        else:
+            env = _env_var(key)
+            where = (
+                f"the environment variable {env} is set to {os.environ[env]!r}: correct or unset it"
+                if env in os.environ
+                else f"set it in a dask config file (~/.config/dask/*.yaml), with "
+                f"dask.config.set, or with the environment variable {env}"
+            )
+            fix = f"correct {key}; {where}"
+        add(Problem(f"invalid config: {message}", fix, "config"))
+
+    address = info.scheduler_address
+    if address is not None:
+        if info.scheduler_error is not None:
+            add(
+                Problem(
+                    f"could not reach the scheduler at {address}: {info.scheduler_error}",
+                    "check the address (e.g. tcp://host:8786), that the scheduler is running "
+                    "and that this host can reach it (or pass a longer --timeout)",
+                    "scheduler",
+                )
+            )
+        elif not info.workers:
+            add(
+                Problem(
+                    f"the scheduler at {address} has no workers",
+                    f"start workers: `dask worker {address} --preload dask_shm`",
+                    "no-workers",
+                )
+            )
+        failed = [w for w in info.workers if w.error is not None]
+        if failed:
+            add(
+                Problem(
+                    f"could not ask {len(failed)} worker(s) about the plugin: "
+                    f"{_some(w.address for w in failed)} ({failed[0].error})",
+                    "install the same dask-shm version in the workers' environment",
+                    "worker-check",
+                )
+            )
+        without = [w for w in info.workers if w.plugin_active is False]
+        if without:
+            add(
+                Problem(
+                    f"{len(without)} of {len(info.workers)} worker(s) do not have the "
+                    f"shared-memory plugin ({PLUGIN_NAME}) active: "
+                    f"{_some(w.address for w in without)}",
+                    "start the workers with `--preload dask_shm` and "
+                    "shm.shared-memory.enabled: true (e.g. "
+                    "DASK_SHM__SHARED_MEMORY__ENABLED=True)",
+                    "plugin",
+                )
+            )
+    return problems
+
+
+def _some(items: Any, limit: int = 5) -> str:
+    items = list(items)
+    text = ", ".join(items[:limit])
+    if len(items) > limit:
+        text += f" and {len(items) - limit} more"
+    return text

@@ -1,0 +1,285 @@
+"""The facts ``dask-shm info`` reports, gathered as data (:class:`HostInfo`).
+
+Each fact comes from the module that owns it: the shared-memory root and the
+``shm`` config from :mod:`dask_shm.config`, the filesystem and the per-user
+directory rules from :mod:`dask_shm.shared.paths`, ``vm.max_map_count`` from
+:mod:`dask_shm.shared.store`, the plugin's name from
+:mod:`dask_shm.shared.plugin`. Nothing here judges what it finds (see
+:mod:`dask_shm.info.checks`) or changes the system (writability is probed by
+creating and removing an empty file in the root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import os
+import platform
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import dask.config
+
+from dask_shm.config import DEFAULTS, SWITCHES, SharedMemorySettings, enabled, unknown_keys
+from dask_shm.shared.paths import TMPFS_TYPES, filesystem_of, user_dir_path, user_dir_problem
+from dask_shm.shared.plugin import PLUGIN_NAME
+from dask_shm.shared.store import max_map_count
+
+
+class OpenFilesLimit(NamedTuple):
+    """RLIMIT_NOFILE; None means unlimited."""
+
+    soft: int | None
+    hard: int | None
+
+
+@dataclass
+class WorkerInfo:
+    """One worker as seen through the scheduler."""
+
+    address: str
+    #: Whether the plugin named :data:`PLUGIN_NAME` is installed; None when
+    #: the worker could not be asked (see ``error``).
+    plugin_active: bool | None
+    #: Class of the worker's ``data`` mapping, e.g. ``dask_shm.spill.SpillBuffer``.
+    data_class: str | None
+    error: str | None = None
+
+
+@dataclass
+class HostInfo:
+    """Everything ``dask-shm info`` found; ``problems`` (a list of
+    :class:`dask_shm.info.checks.Problem`) is derived from the rest."""
+
+    #: ``platform.system()``: "Linux", "Darwin", "Windows", ...
+    platform: str
+    is_linux: bool
+    #: The shared-memory root as configured or given, and its resolved path.
+    root: str
+    root_realpath: str
+    root_exists: bool
+    root_is_dir: bool
+    #: Mount point and filesystem type holding the root (None if unknown).
+    mount_point: str | None
+    fs_type: str | None
+    #: Whether ``fs_type`` is one shared-memory mode accepts
+    #: (:data:`dask_shm.shared.paths.TMPFS_TYPES`).
+    on_tmpfs: bool
+    #: Size of and space available to this user on the root's filesystem.
+    total_bytes: int | None
+    free_bytes: int | None
+    #: Whether a file could be created in the root (None: not tried).
+    writable: bool | None
+    writable_error: str | None
+    #: ``<root>/dask-shm-<uid>`` and what keeps dask-shm from using it ("" if
+    #: nothing, including when it does not exist yet).
+    user_dir: str | None
+    user_dir_problem: str
+    #: RAM of the host and ``MemTotal - MemAvailable``.
+    memory_total: int | None
+    memory_used: int | None
+    #: RLIMIT_NOFILE of this process (None: unknown on this platform).
+    open_files: OpenFilesLimit | None
+    #: vm.max_map_count as the shared store reads it (None: not Linux).
+    max_map_count: int | None
+    #: ``dask.config.get("shm")`` over the shipped defaults (a deep copy).
+    config: dict[str, Any]
+    #: The validated ``shm.shared-memory.*`` settings (None if invalid).
+    settings: SharedMemorySettings | None
+    #: ValueError messages of invalid ``shm.*`` config values.
+    config_errors: list[str]
+    scheduler_address: str | None = None
+    scheduler_error: str | None = None
+    workers: list[WorkerInfo] = field(default_factory=list)
+    problems: list[Any] = field(default_factory=list)
+
+
+def configured_root() -> str:
+    """``shm.shared-memory.root``; when the config is invalid, the raw
+    configured root (or the default), so that it can still be inspected."""
+    try:
+        return SharedMemorySettings.from_config().root
+    except ValueError:
+        raw = dask.config.get("shm.shared-memory.root", default=None)
+        if isinstance(raw, str) and raw:
+            return raw
+        return str(DEFAULTS["shm"]["shared-memory"]["root"])
+
+
+def _probe_writable(directory: str) -> tuple[bool, str | None]:
+    try:
+        fd, path = tempfile.mkstemp(prefix=".dask-shm-info-", dir=directory)
+    except OSError as e:
+        return False, f"{type(e).__name__}: {e.strerror or e}"
+    os.close(fd)
+    os.unlink(path)
+    return True, None
+
+
+def _open_files_limit() -> OpenFilesLimit | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def norm(v: int) -> int | None:
+        return None if v == resource.RLIM_INFINITY else v
+
+    return OpenFilesLimit(norm(soft), norm(hard))
+
+
+def _memory() -> tuple[int | None, int | None]:
+    try:
+        import psutil
+
+        from dask_shm.procmem import host_memory_used
+
+        return int(psutil.virtual_memory().total), host_memory_used()
+    except Exception:
+        return None, None
+
+
+def _config_errors() -> tuple[SharedMemorySettings | None, list[str]]:
+    from dask_shm.local import config as local_config
+
+    errors: list[str] = [
+        f"config {key} is not a dask-shm setting (a typo? see dask-shm-schema.yaml); it is ignored"
+        for key in unknown_keys()
+    ]
+    settings: SharedMemorySettings | None = None
+    try:
+        settings = SharedMemorySettings.from_config()
+    except ValueError as e:
+        errors.append(str(e))
+    for switch in SWITCHES:
+        try:
+            enabled(switch)
+        except ValueError as e:
+            errors.append(str(e))
+    for check in (
+        local_config.shm_threshold,
+        local_config.memory_target,
+        local_config.spill_directory,
+        local_config.shm_directory_base,
+    ):
+        try:
+            check()
+        except ValueError as e:
+            errors.append(str(e))
+    return settings, errors
+
+
+def _worker_report(dask_worker: Any) -> dict[str, Any]:
+    """Run on each worker by :func:`ask_workers`."""
+    data = dask_worker.data
+    return {
+        "plugin_active": PLUGIN_NAME in dask_worker.plugins,
+        "data_class": f"{type(data).__module__}.{type(data).__qualname__}",
+    }
+
+
+async def _run_on_workers(address: str, timeout: float) -> dict[str, Any]:
+    from distributed import Client
+
+    # An asynchronous client on our own loop: a synchronous Client that fails
+    # to connect blocks for 20 s in __del__ trying to close itself.
+    client = Client(address, asynchronous=True, timeout=timeout, set_as_default=False)
+    try:
+        await client
+        return await client.run(_worker_report, on_error="return")
+    finally:
+        await client.close()
+
+
+def ask_workers(address: str, timeout: float) -> tuple[str | None, list[WorkerInfo]]:
+    """(error, workers) of the scheduler at ``address``; never raises."""
+
+    def ask() -> dict[str, Any]:
+        bound = timeout + 30  # connecting, then a trivial call on every worker
+        return asyncio.run(asyncio.wait_for(_run_on_workers(address, timeout), bound))
+
+    # In a thread of its own, so that this also works under a running event
+    # loop (e.g. in Jupyter).
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dask-shm-info") as pool:
+        try:
+            results = pool.submit(ask).result()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}", []
+    workers = []
+    for worker, result in sorted(results.items()):
+        if isinstance(result, BaseException):
+            error = f"{type(result).__name__}: {result}"
+            workers.append(WorkerInfo(worker, None, None, error))
+        else:
+            workers.append(WorkerInfo(worker, result["plugin_active"], result["data_class"]))
+    return None, workers
+
+
+def gather_facts(
+    root: str | None = None,
+    scheduler_address: str | None = None,
+    *,
+    timeout: float = 10.0,
+) -> HostInfo:
+    """The facts of this host (and, given ``scheduler_address``, of that
+    scheduler's workers), with ``problems`` left empty. See
+    :func:`dask_shm.info.collect_info` for the arguments. Never raises for
+    what it finds."""
+    is_linux = platform.system() == "Linux"
+    if root is None:
+        root = configured_root()
+    exists = os.path.exists(root)
+    is_dir = os.path.isdir(root)
+    mount = filesystem_of(root) if exists else None
+    total = free = None
+    writable: bool | None = None
+    writable_error: str | None = None
+    user_dir: str | None = None
+    user_problem = ""
+    if is_dir:
+        try:
+            st = os.statvfs(root)
+            total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        except OSError:
+            pass
+        writable, writable_error = _probe_writable(root)
+        if hasattr(os, "geteuid"):
+            user_dir = user_dir_path(root)
+            user_problem = user_dir_problem(user_dir)
+    memory_total, memory_used = _memory()
+    settings, config_errors = _config_errors()
+    # Shipped defaults under what is set: a config reset after import (test
+    # harnesses do that) drops the registered defaults but not their effect.
+    config = dask.config.merge(DEFAULTS["shm"], dask.config.get("shm", default={}))
+    info = HostInfo(
+        platform=platform.system() or "unknown",
+        is_linux=is_linux,
+        root=root,
+        root_realpath=os.path.realpath(root),
+        root_exists=exists,
+        root_is_dir=is_dir,
+        mount_point=mount[0] if mount else None,
+        fs_type=mount[1] if mount else None,
+        on_tmpfs=mount is not None and mount[1] in TMPFS_TYPES,
+        total_bytes=total,
+        free_bytes=free,
+        writable=writable,
+        writable_error=writable_error,
+        user_dir=user_dir,
+        user_dir_problem=user_problem,
+        memory_total=memory_total,
+        memory_used=memory_used,
+        open_files=_open_files_limit(),
+        max_map_count=max_map_count() if is_linux else None,
+        config=copy.deepcopy(dict(config)) if isinstance(config, Mapping) else {},
+        settings=settings,
+        config_errors=config_errors,
+        scheduler_address=scheduler_address,
+    )
+    if scheduler_address is not None:
+        info.scheduler_error, info.workers = ask_workers(scheduler_address, timeout)
+    return info

@@ -1,0 +1,127 @@
+"""``dask-shm info`` as text: :func:`format_info`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from dask.utils import format_bytes
+
+from dask_shm.info.checks import TYPICAL_VALUE_BYTES, expected_mappings
+from dask_shm.info.facts import HostInfo
+from dask_shm.shared.store import map_budget
+
+
+def _bytes(value: int | None) -> str:
+    return "unknown" if value is None else format_bytes(value)
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "shm") -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for key, value in sorted(config.items(), key=lambda kv: str(kv[0])):
+        # dask treats "_" and "-" in keys alike; environment variables give "_"
+        name = f"{prefix}.{str(key).replace('_', '-')}"
+        if isinstance(value, Mapping):
+            items.extend(_flatten(value, name))
+        else:
+            items.append((name, value))
+    return items
+
+
+def _yes(value: bool | None) -> str:
+    return "unknown" if value is None else ("yes" if value else "no")
+
+
+def format_info(info: HostInfo) -> str:
+    """``info`` as readable text: sections of facts, then ``Problems:`` with
+    one ``- message`` / ``  fix: ...`` pair per problem, or ``No problems found.``"""
+    lines: list[str] = []
+
+    def section(title: str, rows: list[tuple[str, str]]) -> None:
+        if lines:
+            lines.append("")
+        lines.append(title)
+        width = max((len(k) for k, _ in rows), default=0)
+        lines.extend(f"  {k + ':':<{width + 1}} {v}" for k, v in rows)
+
+    platform_note = "shared memory supported" if info.is_linux else "no shared memory"
+    memory = (
+        f"{_bytes(info.memory_used)} used of {_bytes(info.memory_total)} "
+        "(MemTotal - MemAvailable - per-CPU free lists; tmpfs data counts as used)"
+    )
+    section("Host", [("platform", f"{info.platform} ({platform_note})"), ("memory", memory)])
+
+    rows = [("path", info.root)]
+    if info.root_realpath != info.root:
+        rows.append(("resolves to", info.root_realpath))
+    rows.append(("exists", _yes(info.root_exists)))
+    if info.root_exists:
+        fs = (
+            "unknown" if info.fs_type is None else f"{info.fs_type} (mounted on {info.mount_point})"
+        )
+        rows.append(("filesystem", fs + ("" if info.on_tmpfs else ", not a tmpfs")))
+        rows.append(("size", f"{_bytes(info.total_bytes)}, {_bytes(info.free_bytes)} free"))
+        writable = _yes(info.writable)
+        if info.writable_error:
+            writable += f" ({info.writable_error})"
+        rows.append(("writable", writable))
+    if info.user_dir is not None:
+        state = info.user_dir_problem or (
+            "ok" if os.path.lexists(info.user_dir) else "not created yet"
+        )
+        rows.append(("user directory", f"{info.user_dir}: {state}"))
+    section("Shared-memory root", rows)
+
+    if info.open_files is None:
+        nofile = "unknown"
+    else:
+        soft, hard = (("unlimited" if v is None else str(v)) for v in info.open_files)
+        nofile = f"soft {soft}, hard {hard}"
+    max_map = "unknown" if info.max_map_count is None else str(info.max_map_count)
+    expected = expected_mappings(info)
+    if info.max_map_count is not None and expected is not None:
+        max_map += (
+            f" (a worker maps up to {map_budget(info.max_map_count):,} shared values; "
+            f"all of this host's shared memory in {format_bytes(TYPICAL_VALUE_BYTES)} values "
+            f"would be {expected:,})"
+        )
+    section("Limits", [("open files (RLIMIT_NOFILE)", nofile), ("vm.max_map_count", max_map)])
+
+    rows = [(key, repr(value)) for key, value in _flatten(info.config)]
+    if info.settings is not None:
+        s = info.settings
+        rows.append(
+            (
+                "validated shared-memory settings",
+                f"enabled={s.enabled}, root={s.root}, min-size={format_bytes(s.min_size)}, "
+                f"min-shared-fraction={s.min_shared_fraction}",
+            )
+        )
+    rows.extend(("invalid", message) for message in info.config_errors)
+    section("Config", rows)
+
+    if info.scheduler_address is not None:
+        if info.scheduler_error is not None:
+            rows = [("error", info.scheduler_error)]
+        elif not info.workers:
+            rows = [("workers", "none")]
+        else:
+            rows = []
+            for w in info.workers:
+                if w.error is not None:
+                    rows.append((w.address, f"could not check: {w.error}"))
+                else:
+                    plugin = "active" if w.plugin_active else "not active"
+                    rows.append((w.address, f"plugin {plugin}, data {w.data_class}"))
+        section(f"Scheduler {info.scheduler_address}", rows)
+
+    lines.append("")
+    if info.problems:
+        lines.append("Problems:")
+        for problem in info.problems:
+            lines.append(f"- {problem.message}")
+            lines.append(f"  fix: {problem.fix}")
+    else:
+        lines.append("No problems found.")
+    return "\n".join(lines)
