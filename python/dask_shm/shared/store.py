@@ -186,11 +186,14 @@ class SharedSpillStore(SpillStore):
     def retain(self, key: Key, value: object, name: str | None = None) -> None:
         """Keep a file backing ``value`` (in memory) for ``key``: by default
         the file ``key`` is spilled in, which leaves the store; or an adopted
-        file ``name``. Its memory accounting drops to the shared bytes."""
+        file ``name``. Its memory accounting drops to the shared bytes (none
+        for a tier-3 file)."""
         if name is None:
             name = self.filenames.pop(key)
         memory, _ = self.files.sizes(name)
-        shareable = self.shareable.get(name, 0)
+        # A mapping of a tier-3 file is page cache the process's RSS counts
+        # (RssFile), so such a value weighs its full size, like a private one.
+        shareable = self.shareable.get(name, 0) if self.tiers.tier_of(name) == 2 else 0
         self.retained[key] = Retained(name, id(value), memory, shareable)
         self.files.set_memory(name, min(shareable, memory))
         self.tiers.pin(name)

@@ -5,10 +5,12 @@ that the spill stores use, so :class:`~dask_shm.shared.store.SharedSpillStore`
 does not know there are two tiers. Its one concern is *where* a file lives:
 
 - ``put`` writes to tier 2 while the :class:`~dask_shm._core.TierBudget`
-  allows, first moving least recently used files that no value maps
-  (unpinned) to tier 3; what still does not fit, and everything after the
-  tmpfs reported ENOSPC, is written straight to tier 3. Nothing is kept in
-  memory because the tmpfs is full.
+  allows; what does not fit is written straight to tier 3, and so is
+  everything once the tmpfs reported ENOSPC (the budget shrinks to what is
+  in tier 2 then). Nothing is kept in memory because the tmpfs is full.
+- when tier 2 is over its budget (files that were mapped by values in
+  memory are released, the budget shrank), the least recently used files
+  that no value maps (unpinned) move to tier 3.
 - a move copies the file in Rust with the GIL released
   (:func:`~dask_shm._core.move_entry`); the entry keeps its name here, so
   callers never see it move.
@@ -151,13 +153,14 @@ class TieredFiles:
     def put(
         self, stem: str, frames: Iterable[Any], memory: int, max_disk: int | None = None
     ) -> tuple[str, int] | None:
-        """Write a new entry: tier 2 if it fits the budget (after moving
-        older files out), else tier 3. Same contract as ``FileStore.put``;
+        """Write a new entry: tier 2 if it fits the budget, else straight to
+        tier 3 (no file is written twice). Same contract as ``FileStore.put``;
         ``max_disk`` bounds both tiers together."""
         frames = list(frames)
         size = sum(memoryview(f).nbytes for f in frames) + _FRAME_OVERHEAD * (len(frames) + 1)
         with self._lock:
-            if self.enforce(size):
+            self.enforce()
+            if self.budget.used + size <= self.budget.limit:
                 rest = None if max_disk is None else max(0, max_disk - self.disk.total()[1])
                 try:
                     stored = self.tmpfs.put(stem, frames, memory, rest)
