@@ -392,3 +392,11 @@ def test_handles_go_to_the_buffer_of_the_fetching_worker(shm_dir, disk_root):
         transfer.enable_receiving(None)
         one.close()
         two.close()
+
+
+def test_limits_summary_for_dask_shm_info(shm_dir):
+    facts = limits.summary(shm_dir, None, memory_limit=GiB)
+    assert set(facts) == {"cgroup", "memory_available", "tmpfs", "budget"}
+    assert facts["budget"]["limit"] == int(limits.AUTO_FRACTION * GiB)
+    assert facts["tmpfs"]["free"] > 0
+    assert facts["memory_available"] <= limits.host_memory_total()

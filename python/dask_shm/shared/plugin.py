@@ -67,7 +67,10 @@ class SharedMemoryPlugin(WorkerPlugin):
             SpillBufferPlugin().setup(worker)
             return
         paths.sweep_dead_processes(root)
-        paths.sweep_dead_processes(settings.disk_root)
+        try:
+            paths.sweep_dead_processes(settings.disk_root)
+        except (OSError, paths.UnusableRoot) as e:
+            logger.info("dask-shm: cannot sweep %s: %s", settings.disk_root, e)
         memory_limit = worker.memory_manager.memory_limit
         budget = limits.tier2_budget(settings.max_bytes, root, memory_limit)
         _warn_small_root(root, budget)
@@ -169,13 +172,22 @@ class SharedMemoryNannyPlugin(NannyPlugin):
             return None
         return root
 
+    def _sweep(self, root: str) -> None:
+        """Remove dead processes' directories on the root and on the tier-3 root."""
+        paths.sweep_dead_processes(root)
+        disk_root = SharedMemorySettings.from_config().disk_root
+        try:
+            paths.sweep_dead_processes(disk_root)
+        except (OSError, paths.UnusableRoot) as e:
+            logger.info("dask-shm: cannot sweep %s: %s", disk_root, e)
+
     def setup(self, nanny: Nanny) -> None:
         root = self._root()
         monitor.install_nanny_monitor(nanny, root)
         if root is not None:
-            paths.sweep_dead_processes(root)
+            self._sweep(root)
 
     def teardown(self, nanny: Nanny) -> Any:
         root = self._root()
         if root is not None:
-            paths.sweep_dead_processes(root)
+            self._sweep(root)
