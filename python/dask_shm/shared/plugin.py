@@ -60,31 +60,31 @@ class SharedMemoryPlugin(WorkerPlugin):
             return
         settings = SharedMemorySettings.from_config()
         root = self.root or settings.root
+        memory_limit = worker.memory_manager.memory_limit
+        budget = limits.tier2_budget(settings.max_bytes, root, memory_limit)
+        target = target_from_config(memory_limit) or sys.maxsize
         try:
-            paths.check_root(root)
-        except paths.UnusableRoot as e:
+            # The one check of the root (create raises UnusableRoot).
+            buffer = SharedSpillBuffer.create(
+                target,
+                root=root,
+                disk_root=settings.disk_root,
+                budget=budget.limit,
+                min_size=settings.min_size,
+                min_shared_fraction=settings.min_shared_fraction,
+                max_spill=worker.memory_manager.max_spill,
+                name=f"w-{uuid.uuid4().hex[:12]}",
+            )
+        except (paths.UnusableRoot, OSError) as e:
             logger.warning("dask-shm: %s; this worker spills privately", e)
             SpillBufferPlugin().setup(worker)
             return
+        _warn_small_root(root, budget)
         paths.sweep_dead_processes(root)
         try:
             paths.sweep_dead_processes(settings.disk_root)
         except (OSError, paths.UnusableRoot) as e:
             logger.info("dask-shm: cannot sweep %s: %s", settings.disk_root, e)
-        memory_limit = worker.memory_manager.memory_limit
-        budget = limits.tier2_budget(settings.max_bytes, root, memory_limit)
-        _warn_small_root(root, budget)
-        target = target_from_config(memory_limit) or sys.maxsize
-        buffer = SharedSpillBuffer.create(
-            target,
-            root=root,
-            disk_root=settings.disk_root,
-            budget=budget.limit,
-            min_size=settings.min_size,
-            min_shared_fraction=settings.min_shared_fraction,
-            max_spill=worker.memory_manager.max_spill,
-            name=f"w-{uuid.uuid4().hex[:12]}",
-        )
         install_spill_buffer(worker, buffer)
         self._buffer = buffer
         self._original_gather_dep = _receive_fetches_into(worker, buffer)
