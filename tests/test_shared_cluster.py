@@ -14,6 +14,7 @@ from distributed import Client, LocalCluster, Worker, wait
 from dask_shm import SharedMemoryNannyPlugin, SharedMemoryPlugin
 from dask_shm.procmem import host_memory_used, process_memory
 from dask_shm.shared import shm_metrics
+from dask_shm.shared.monitor import tmpfs_share
 
 MB = 2**20
 GB = 2**30
@@ -115,6 +116,11 @@ def test_host_memory_holds_one_copy_for_two_holders(shm_cluster):
     assert monitored[b] < mem_b.rss - 0.4 * GB
     assert abs(monitored[b] - (mem_b.private + GB / 2)) < 0.1 * GB
     assert sum(monitored.values()) < 1.5 * GB
+    # The nanny reads the same share from outside the worker.
+    pid_b = client.run(os.getpid, workers=[b])[b]
+    share = client.run(lambda dask_worker: dask_worker.data.tier2_bytes(), workers=[b])[b]
+    assert abs(share - GB / 2) < 0.01 * GB
+    assert abs(tmpfs_share("/dev/shm", pid_b) - share) < 0.01 * GB
     managed = client.run(lambda dask_worker: dask_worker.data.fast.total_weight, workers=[b])[b]
     assert managed < 0.1 * GB
     del x, y
