@@ -10,8 +10,10 @@ mod py_amm;
 mod py_amm_tracker;
 mod py_buffers;
 mod py_store;
+mod py_tier;
 mod recycle;
 pub mod store;
+pub mod tier;
 
 use pyo3::prelude::*;
 
@@ -27,6 +29,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("AMM_REJECTIONS", py_amm::rejections(m.py())?)?;
     m.add("AMM_MAX_COUNTED_WAITERS", amm::MAX_COUNTED_WAITERS)?;
     m.add_function(wrap_pyfunction!(py_amm::replicas_to_keep, m)?)?;
+    m.add_class::<py_tier::TierBudget>()?;
+    m.add_function(wrap_pyfunction!(py_tier::move_entry, m)?)?;
     m.add_class::<local_transport::MappedRange>()?;
     m.add_function(wrap_pyfunction!(local_transport::map_frames, m)?)?;
     m.add_function(wrap_pyfunction!(local_transport::buffer_address, m)?)?;

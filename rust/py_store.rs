@@ -136,7 +136,8 @@ fn directory_error(e: io::Error, dir: &Path) -> PyErr {
     }
 }
 
-fn to_pyerr_at(e: StoreError, path: &Path) -> PyErr {
+/// A store error about `path` as the Python exception stock would raise.
+pub(crate) fn to_pyerr_at(e: StoreError, path: &Path) -> PyErr {
     match e {
         StoreError::Missing(name) => PyKeyError::new_err(name),
         StoreError::Corrupt { .. } => SpillFileError::new_err(e.to_string()),
@@ -164,7 +165,7 @@ fn frame_views<'py>(
 /// A directory of spill files with their accounting. Thread-safe.
 #[pyclass(module = "dask_shm._core", frozen)]
 pub struct FileStore {
-    inner: Arc<Store>,
+    pub(crate) inner: Arc<Store>,
 }
 
 #[pymethods]

@@ -9,7 +9,6 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import dask
 import numpy as np
 import pytest
 from distributed.spill import MaxSpillExceeded as StockMaxSpillExceeded
@@ -19,6 +18,8 @@ from distributed.spill import SpilledSize
 
 from dask_shm import SpillBuffer
 from dask_shm._core import FRAME_ALIGN_MIN_LEN, FRAME_ALIGNMENT
+from dask_shm.shared import SharedSpillBuffer
+from dask_shm.shared.paths import UnusableRoot
 
 STOCK_INTERNAL_ERRORS = (StockMaxSpillExceeded, StockPickleError)
 
@@ -104,9 +105,9 @@ def check_same_state(stock: Any, ours: Any) -> None:
     assert ours.fast.total_weight == stock.fast.total_weight
     assert ours.spilled_total.memory == stock.spilled_total.memory
     stock_weights = stock._slow_uncached.weight_by_key
-    ours_weights = ours._slow_uncached.weight_by_key
+    ours_weights = ours.store.weight_by_key
     assert set(ours_weights) == set(stock_weights)
-    memmap = ours._slow_uncached.mapped
+    memmap = ours.store.mapped
     for key, stock_weight in stock_weights.items():
         assert ours_weights[key].memory == stock_weight.memory
         check_disk_size(stock_weight, ours_weights[key], memmap)
@@ -182,23 +183,32 @@ def run_sequence(
 
 
 @pytest.fixture
-def shared_spill_buffer(shm_dir: str) -> Iterator[Callable[..., Any]]:
-    """Factory of shared-memory SpillBuffers on a private root on /dev/shm,
-    small values included (min-size 0), through the public constructor.
-    Skips if the host cannot run shared mode."""
+def shared_spill_buffer(shm_dir: str, tmp_path: Any) -> Iterator[Callable[..., Any]]:
+    """Factory of shared-memory buffers on a private root on /dev/shm, small
+    values included (min-size 0) and a tier-2 budget that never pushes files
+    to disk, through the public constructor. Skips if the host cannot run
+    shared mode."""
     made: list[Any] = []
 
     def make(target: int, max_spill: int | bool = False) -> Any:
-        buf = SpillBuffer(None, target=target, max_spill=max_spill, shared=True)
+        try:
+            buf = SharedSpillBuffer.create(
+                target,
+                root=shm_dir,
+                disk_root=str(tmp_path / "tier3"),
+                budget=2**40,
+                min_size=0,
+                min_shared_fraction=0.5,
+                max_spill=max_spill,
+            )
+        except UnusableRoot as e:
+            pytest.skip(f"shared-memory mode unavailable on this host: {e}")
         made.append(buf)
-        if not buf.shared:
-            pytest.skip("shared-memory mode unavailable on this host (see the warning)")
         return buf
 
-    with dask.config.set({"shm.shared-memory.root": shm_dir, "shm.shared-memory.min-size": 0}):
-        yield make
+    yield make
     for buf in made:
-        buf.clear()
+        buf.close()
 
 
 @pytest.mark.parametrize("memmap", [False, True], ids=["read", "memmap"])
