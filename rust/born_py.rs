@@ -335,13 +335,26 @@ pub fn born_seal(py: Python<'_>, address: usize, length: usize, header: &[u8]) -
         })
 }
 
+/// Give the sealed block starting at ``address`` over to the file at
+/// ``new_path`` (a link the caller made, e.g. in a spill store): the
+/// block's own name is unlinked, look-ups report ``new_path`` and freeing the
+/// array only unmaps it. Raises ``LookupError`` if no sealed block starts there.
+#[pyfunction]
+pub fn born_disown(address: usize, new_path: PathBuf) -> PyResult<()> {
+    ARENA.disown(address, &new_path).map_err(|_| {
+        pyo3::exceptions::PyLookupError::new_err(format!(
+            "no sealed born-shared block at {address:#x}"
+        ))
+    })
+}
+
 /// Bytes in front of a block's data in its file (the room for a header).
 #[pyfunction]
 pub fn born_header_size() -> usize {
     ARENA.header_size()
 }
 
-/// Arena counters: blocks, bytes, allocated, freed, sealed, refused_budget,
+/// Arena counters: blocks, bytes, owned_bytes, allocated, freed, sealed, refused_budget,
 /// refused_blocks, refused_error, threshold, directory.
 #[pyfunction]
 pub fn born_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -349,6 +362,7 @@ pub fn born_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("blocks", s.blocks)?;
     d.set_item("bytes", s.bytes)?;
+    d.set_item("owned_bytes", s.owned_bytes)?;
     d.set_item("allocated", s.allocated)?;
     d.set_item("freed", s.freed)?;
     d.set_item("sealed", s.sealed)?;

@@ -34,6 +34,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(born_py::set_numpy_handler, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_block, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_seal, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::born_disown, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_header_size, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_stats, m)?)?;
     m.add(
