@@ -293,15 +293,17 @@ pub fn set_numpy_handler(py: Python<'_>, handler: Option<Bound<'_, PyAny>>) -> P
 }
 
 /// The born-shared block holding ``address``: ``(path, start, length,
-/// sealed)``, or None if the address is not in one.
+/// sealed, owned)``, or None if the address is not in one. ``owned`` is
+/// false once the file was handed over (:func:`born_disown`).
 #[pyfunction]
-pub fn born_block(address: usize) -> Option<(String, usize, usize, bool)> {
+pub fn born_block(address: usize) -> Option<(String, usize, usize, bool, bool)> {
     ARENA.lookup(address).map(|b| {
         (
             b.path.to_string_lossy().into_owned(),
             b.start,
             b.len,
             b.sealed,
+            b.owned,
         )
     })
 }
