@@ -344,3 +344,57 @@ async def test_worker_tasks_allocate_born_shared(c, s, a) -> None:
     finally:
         born.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _store(shm_dir: str, max_weight: int | bool = False):
+    from dask_shm.shared.store import SharedSpillStore
+
+    return SharedSpillStore(
+        os.path.join(shm_dir, "store"),
+        max_weight,  # type: ignore[arg-type]
+        root=shm_dir,
+        outgoing_directory=shm_dir,
+        min_size=64 * 1024,
+        min_shared_fraction=0.5,
+    )
+
+
+def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str) -> None:
+    store = _store(shm_dir)
+    with born.allocating():
+        a = np.arange(MiB // 2, dtype=np.float64)
+    block = born.whole_block(a)
+    assert block is not None
+    with open(block.path, "rb") as f:
+        before = f.read(os.stat(block.path).st_size)
+    name = born.adopt_into(store, "x", a)
+    assert name is not None
+    store._register("x", name)
+    path = store.files.path(name)
+    st = os.stat(path)
+    assert st.st_nlink == 1  # the arena's own name is gone
+    assert not os.path.exists(block.path)
+    # Same inode, same payload bytes: nothing was copied.
+    with open(path, "rb") as f:
+        after = f.read()
+    page = born._core.born_header_size()
+    assert after[page:] == before[page:]
+    a[0] = -5.0  # the owner's later write stays private
+    value, backed = store.load("x")
+    assert backed
+    np.testing.assert_array_equal(value, np.arange(MiB // 2, dtype=np.float64))
+    del a
+    assert os.path.exists(path)
+    np.testing.assert_array_equal(store["x"], value)
+    assert born.adopt_into(store, "y", np.ones(MiB)) is None  # not born
+
+
+def test_adopt_into_respects_max_spill(arena: str, shm_dir: str) -> None:
+    from dask_shm.spill_store import MaxSpillExceeded
+
+    store = _store(shm_dir, max_weight=MiB)
+    with born.allocating():
+        a = np.ones(MiB // 4)  # 2 MiB
+    with pytest.raises(MaxSpillExceeded):
+        born.adopt_into(store, "x", a)
+    assert not born.whole_block(a).sealed  # untouched

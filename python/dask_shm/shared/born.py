@@ -41,7 +41,10 @@ from dask_shm import _core
 from dask_shm.shared import paths
 
 if TYPE_CHECKING:
+    from dask.typing import Key
     from distributed import Worker
+
+    from dask_shm.shared.store import SharedSpillStore
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +315,43 @@ def disown(value: object, new_path: str) -> None:
     if block is None:
         raise LookupError("not a born-shared array")
     _core.born_disown(block.start, new_path)
+
+
+# -- spill stores -------------------------------------------------------------------
+
+
+def adopt_into(store: SharedSpillStore, key: Key, value: object) -> str | None:
+    """Turn ``value``'s block into ``store``'s file for ``key`` without copying
+    its bytes: seal it (header in front, owner's pages private from now on),
+    hard-link it into the store and hand it over (:func:`disown`). Returns the
+    store's file name, accounted and marked shareable but not registered
+    for ``key`` (the caller registers or retains it), or None when ``value``
+    is not a whole born-shared numpy array whose serialized payload is the
+    block itself (the caller writes a file the ordinary way).
+
+    Raises MaxSpillExceeded when the file would take the store past its
+    ``max_weight``; OSError or ForgedHandleError if linking fails (the block
+    is then sealed but still the arena's, and the value is unchanged)."""
+    from distributed.sizeof import safe_sizeof
+
+    from dask_shm.spill_store import MaxSpillExceeded, file_stem, serialize_unsplit
+
+    block = whole_block(value)
+    if block is None:
+        return None
+    header, frames = serialize_unsplit(value)
+    if len(frames) != 1 or _core.buffer_address(frames[0]) != (block.start, block.length):
+        return None
+    size = _core.born_header_size() + block.length
+    if store.max_weight is not False and store.files.total()[1] + size > store.max_weight:
+        raise MaxSpillExceeded(key)
+    path = seal(value, header)
+    if path is None:
+        return None
+    name, _ = store.files.adopt(store.root, path, size, file_stem(key), safe_sizeof(value))
+    disown(value, store.files.path(name))
+    store.shareable[name] = block.length
+    return name
 
 
 # -- workers ------------------------------------------------------------------------
