@@ -13,6 +13,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import dask
 import numpy as np
@@ -398,3 +399,54 @@ def test_adopt_into_respects_max_spill(arena: str, shm_dir: str) -> None:
     with pytest.raises(MaxSpillExceeded):
         born.adopt_into(store, "x", a)
     assert not born.whole_block(a).sealed  # untouched
+
+
+def _born_report(dask_worker: Any, key: str) -> dict[str, Any]:
+    """Where ``key``'s value and file are on this worker."""
+    store = dask_worker.data._slow_uncached
+    name = store.file_of(key)
+    path = None if name is None else store.files.path(name)
+    return {
+        "inode": None if path is None else os.stat(path).st_ino,
+        "links": None if path is None else os.stat(path).st_nlink,
+        "stats": born.stats(),
+        "handler": handler_name(),
+    }
+
+
+def _made_born(nbytes: int, fill: float) -> np.ndarray:
+    x = np.full(nbytes // 8, fill)
+    assert born.whole_block(x) is not None, "not born shared"
+    return x
+
+
+def test_cluster_hands_a_born_array_over_without_copying_it() -> None:
+    from distributed import Client, LocalCluster
+
+    from dask_shm import SharedMemoryPlugin
+
+    with (
+        dask.config.set({"distributed.scheduler.active-memory-manager.start": False}),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit="2GiB",
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(SharedMemoryPlugin())
+        client.register_plugin(born.BornSharedPlugin(born.BornSettings(mode=True)))
+        a, b = sorted(client.scheduler_info()["workers"])
+        x = client.submit(_made_born, 32 * MiB, 2.0, workers=[a], key="born-x")
+        total = client.submit(lambda v: float(v.sum()), x, workers=[b], key="born-sum")
+        assert total.result() == 2.0 * 4 * MiB
+        reports = client.run(_born_report, key="born-x")
+        # One file, linked by both workers' stores: A's arena handed its block
+        # over (sealed, no copy) and B linked it.
+        assert reports[a]["inode"] is not None and reports[a]["inode"] == reports[b]["inode"]
+        assert reports[a]["stats"]["sealed"] >= 1
+        assert reports[a]["stats"]["owned_bytes"] == 0
+        assert reports[a]["handler"] == "default_allocator"  # outside tasks: untouched
+        client.cancel([x, total])

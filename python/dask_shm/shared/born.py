@@ -28,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import struct
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import dask.config
 import msgpack
 from dask.utils import parse_bytes
+from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_shm import _core
 from dask_shm.shared import paths
@@ -356,12 +359,18 @@ def adopt_into(store: SharedSpillStore, key: Key, value: object) -> str | None:
 
 # -- workers ------------------------------------------------------------------------
 
+#: Workers of this process running their tasks through the arena (in-process
+#: clusters share one arena: the settings of the last one installed apply).
+_installed: set[int] = set()
+
 
 def install_on_worker(worker: Worker, directory: str, *, threshold: int, budget: int) -> None:
     """Start the arena in ``directory`` and run every task of ``worker``
     inside :func:`allocating` (its ``execute`` coroutine is wrapped; the
     task's thread inherits the context). Undo with :func:`uninstall_from_worker`."""
     start(directory, threshold=threshold, budget=budget)
+    if id(worker) in _installed:
+        return
     original = worker.execute
 
     async def execute(key: Any, *, stimulus_id: str) -> Any:
@@ -370,10 +379,78 @@ def install_on_worker(worker: Worker, directory: str, *, threshold: int, budget:
 
     execute.__wrapped__ = original  # type: ignore[attr-defined]
     worker.execute = execute  # type: ignore[method-assign]
+    _installed.add(id(worker))
 
 
 def uninstall_from_worker(worker: Worker) -> None:
-    """Stop wrapping ``worker``'s tasks and stop the arena."""
+    """Stop wrapping ``worker``'s tasks; stop the arena when no worker of this
+    process uses it any more (arrays already born stay valid)."""
+    if id(worker) not in _installed:
+        return
+    _installed.discard(id(worker))
     if getattr(worker.execute, "__wrapped__", None) is not None:
         del worker.execute  # the instance attribute; the class's method shows again
-    stop()
+    if not _installed:
+        stop()
+
+
+class BornSharedPlugin(WorkerPlugin):
+    """Arrays born shared on a worker in shared-memory mode (install it after
+    :class:`~dask_shm.shared.plugin.SharedMemoryPlugin`).
+
+    Follows :class:`BornSettings` (``shm.shared-memory.born-*``): with
+    ``born-shared: auto`` (the default) it turns on only when the root serves
+    huge pages, and otherwise logs why it stays off. Blocks go to a 0700
+    directory in this process's directory on the root (removed on teardown;
+    one left by a killed worker goes with its process directory). Their
+    bytes count as the worker's own memory (the monitor ignores shared pages,
+    so they are added back) until a store adopts them.
+
+    Raises ValueError at setup for an invalid config value.
+    """
+
+    name = "dask-shm-born-shared"
+    idempotent = True
+
+    def __init__(self, settings: BornSettings | None = None):
+        self.settings = settings
+
+    def setup(self, worker: Worker) -> None:
+        settings = self.settings or BornSettings.from_config()
+        store = getattr(worker.data, "slow", None)
+        root = getattr(store, "root", None)
+        if not getattr(worker.data, "shared", False) or root is None:
+            logger.info("dask-shm: arrays born shared need shared-memory mode; off")
+            return
+        if not settings.enabled_for(root):
+            logger.info(
+                "dask-shm: arrays born shared stay off: %s serves no huge pages, and "
+                "fresh 4 KiB tmpfs pages make numpy slower than ordinary memory "
+                "(mount the root with huge=within_size, or set "
+                "shm.shared-memory.born-shared: true)",
+                root,
+            )
+            return
+        self._directory = paths.subdir(root, f"born-{uuid.uuid4().hex[:12]}")
+        budget = settings.budget_for(root, worker.memory_manager.memory_limit)
+        install_on_worker(worker, self._directory, threshold=settings.threshold, budget=budget)
+        self._monitor = worker.monitor.get_process_memory
+
+        def process_memory() -> int:
+            return self._monitor() + stats()["owned_bytes"]
+
+        worker.monitor.get_process_memory = process_memory  # type: ignore[method-assign]
+        logger.info(
+            "dask-shm: arrays of %s bytes or more born shared on %s (%s)",
+            settings.threshold,
+            worker.address,
+            self._directory,
+        )
+
+    def teardown(self, worker: Worker) -> None:
+        directory = getattr(self, "_directory", None)
+        if directory is None:
+            return
+        uninstall_from_worker(worker)
+        worker.monitor.get_process_memory = self._monitor  # type: ignore[method-assign]
+        shutil.rmtree(directory, ignore_errors=True)
