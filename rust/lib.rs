@@ -11,8 +11,10 @@ pub mod peer;
 mod py_amm;
 mod py_buffers;
 mod py_store;
+mod py_tier;
 mod recycle;
 pub mod store;
+pub mod tier;
 
 use pyo3::prelude::*;
 
@@ -23,6 +25,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_store::FileStore>()?;
     m.add_class::<py_buffers::MappedFile>()?;
     m.add_class::<py_amm::AmmRun>()?;
+    m.add_class::<py_tier::TierBudget>()?;
+    m.add_function(wrap_pyfunction!(py_tier::move_entry, m)?)?;
     m.add_class::<local_transport::MappedRange>()?;
     m.add_function(wrap_pyfunction!(local_transport::map_frames, m)?)?;
     m.add_function(wrap_pyfunction!(local_transport::buffer_address, m)?)?;

@@ -63,7 +63,7 @@ pub fn read_peer_file<'py>(
     frame_views(py, buf.as_any(), &peer.layout.frames)
 }
 
-fn to_pyerr(e: StoreError) -> PyErr {
+pub(crate) fn to_pyerr(e: StoreError) -> PyErr {
     match e {
         StoreError::Missing(name) => PyKeyError::new_err(name),
         StoreError::Corrupt { .. } => SpillFileError::new_err(e.to_string()),
@@ -91,7 +91,7 @@ fn frame_views<'py>(
 /// A directory of spill files with their accounting. Thread-safe.
 #[pyclass(module = "dask_shm._core", frozen)]
 pub struct FileStore {
-    inner: Arc<Store>,
+    pub(crate) inner: Arc<Store>,
 }
 
 #[pymethods]

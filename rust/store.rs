@@ -285,6 +285,38 @@ impl FileStore {
         }
     }
 
+    /// Copy `len` bytes of `src` (a spill file of another store) into a new
+    /// file `{stem}#{n}` and account `memory` / `len` for it (no capacity
+    /// check: the bytes leave another tier). Nothing is left behind on error.
+    pub fn put_copy(
+        &self,
+        stem: &str,
+        src: &File,
+        len: u64,
+        memory: u64,
+    ) -> io::Result<(String, u64)> {
+        check_name(stem)?;
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.dir.join(format!(".tmp-{}-{n}", self.tag));
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)?;
+        if let Err(e) = crate::tier::copy_file(src, &mut file, len) {
+            drop(file);
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
+        drop(file);
+        let name = self.publish_tmp(&tmp, stem, n)?;
+        let mut ledger = self.ledger();
+        ledger.try_reserve(len, None);
+        ledger.commit(&name, Sizes { memory, disk: len });
+        Ok((name, len))
+    }
+
     fn write_new_file(
         &self,
         stem: &str,

@@ -1,4 +1,4 @@
-"""SpillBuffer(shared=True) in one process, on real files in /dev/shm."""
+"""SharedSpillBuffer in one process, on real files in /dev/shm."""
 
 from __future__ import annotations
 
@@ -13,30 +13,31 @@ import pytest
 
 from dask_shm import SpillBuffer
 from dask_shm._core import ForgedHandleError, MappedFile, read_peer_file
-from dask_shm.shared import paths, transfer
+from dask_shm.shared import SharedSpillBuffer, paths, transfer
 from dask_shm.shared.store import Handle, SharedSpillStore
 
 MB = 2**20
 
 
 @pytest.fixture
-def root(shm_dir):
-    """A private shared-memory root on /dev/shm for one test."""
-    with dask.config.set({"shm.shared-memory.root": shm_dir}):
-        transfer.enable_receiving(shm_dir)
+def root(shm_dir, tmp_path):
+    """A private shared-memory root on /dev/shm (and tier-3 root on a real
+    file system) for one test."""
+    settings = {"shm.shared-memory.root": shm_dir, "shm.shared-memory.disk-root": str(tmp_path)}
+    with dask.config.set(settings):
         yield shm_dir
+    transfer.enable_receiving(None)
 
 
-def shared_buffer(target: int = 50 * MB) -> SpillBuffer:
-    buf = SpillBuffer(None, target=target, shared=True)
+def shared_buffer(target: int = 50 * MB) -> SharedSpillBuffer:
+    buf = SharedSpillBuffer.from_config(target)
     assert buf.shared
+    transfer.enable_receiving(buf)
     return buf
 
 
-def store_of(buf: SpillBuffer) -> SharedSpillStore:
-    store = buf._slow_uncached
-    assert isinstance(store, SharedSpillStore)
-    return store
+def store_of(buf: SharedSpillBuffer) -> SharedSpillStore:
+    return buf.store
 
 
 def backed_by_mapping(x: np.ndarray) -> bool:
@@ -159,6 +160,7 @@ def test_export_and_adopt_share_one_inode_and_split_accounting(root):
     handle = sender.export("x")
     assert handle is not None
     assert "x" not in sender.fast and "x" in sender.slow  # private copy dropped
+    transfer.enable_receiving(receiver)
     value = transfer.receive(handle)
     os.unlink(handle.path)  # what the sender does after the handshake
     receiver["x"] = value  # claims the received file
@@ -223,18 +225,14 @@ def test_fallback_copy_reads_a_valid_handle(root):
     np.testing.assert_array_equal(frames_to_object(frames), sender["x"])
 
 
-def test_unusable_root_warns_and_spills_privately(caplog, tmp_path):
+def test_unusable_root_is_refused_clearly(tmp_path):
     not_tmpfs = tempfile.mkdtemp(dir="/work" if os.path.isdir("/work") else "/var/tmp")
     try:
         with dask.config.set({"shm.shared-memory.root": not_tmpfs}):
-            buf = SpillBuffer(str(tmp_path / "spill"), target=MB, shared=True)
-        assert not buf.shared
-        assert "not tmpfs" in caplog.text and "spilling privately" in caplog.text
-        buf["x"] = np.ones(MB)
-        assert (buf["x"] == 1).all()
-        with dask.config.set({"shm.shared-memory.root": "/nonexistent/shm"}):
-            with pytest.raises(ValueError, match="no spill_directory"):
-                SpillBuffer(None, target=MB, shared=True)
+            with pytest.raises(paths.UnusableRoot, match="not tmpfs"):
+                SharedSpillBuffer.from_config(MB)
+        with pytest.raises(TypeError, match="SharedSpillBuffer"):
+            SpillBuffer(str(tmp_path / "spill"), target=MB, shared=True)
     finally:
         os.rmdir(not_tmpfs)
 

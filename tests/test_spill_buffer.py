@@ -31,7 +31,7 @@ def test_inspection_surface_matches_what_tools_read(tmp_path):
     assert set(buf.slow) == set(keys[:-1])
     assert set(buf.memory) == set(buf.fast) and set(buf.disk) == set(buf.slow)
 
-    slow = buf._slow_uncached
+    slow = buf.store
     assert set(slow.weight_by_key) == set(keys[:-1])
     assert sum(slow.weight_by_key.values(), SpilledSize(0, 0)) == slow.total_weight
     assert slow.total_weight == buf.spilled_total

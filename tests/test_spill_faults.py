@@ -96,7 +96,7 @@ def test_damaged_spill_file_gives_a_clear_error_naming_the_key(tmp_path, damage)
     buf = SpillBuffer(str(tmp_path), target=100)
     buf["victim"] = np.arange(1_000)
     buf["bystander"] = np.arange(1_000) * 2
-    path = buf._slow_uncached.path("victim")
+    path = buf.store.path("victim")
     size = os.path.getsize(path)
     if damage == "truncate":
         os.truncate(path, size // 2)
@@ -120,7 +120,7 @@ def test_damaged_spill_file_gives_a_clear_error_naming_the_key(tmp_path, damage)
     assert "victim" in buf
     del buf["victim"]
     assert "victim" not in buf
-    assert set(buf._slow_uncached.weight_by_key) == {"bystander"}
+    assert set(buf.store.weight_by_key) == {"bystander"}
 
 
 def hammer_from_threads(buf: SpillBuffer, n_threads: int = 8) -> tuple[list, list, dict]:
@@ -178,7 +178,7 @@ def test_many_threads_at_once_leave_consistent_totals(tmp_path):
     assert set(buf) == set(expected) | {f"shared-{i}" for i in range(5)}
     for key in expected:
         assert buf[key].shape[0] in (100, 2_000, 30_000)
-    slow = buf._slow_uncached
+    slow = buf.store
     on_disk = sum(os.path.getsize(os.path.join(tmp_path, n)) for n in entry_files(tmp_path))
     assert buf.spilled_total.disk == on_disk
     assert len(entry_files(tmp_path)) == len(buf.slow)
@@ -203,7 +203,7 @@ def test_spill_store_from_many_threads_keeps_totals_exact(tmp_path):
     """Our layer under zict: concurrent writes, reads, overwrites and deletes of
     SpillStore (the Rust store plus its key map) keep every value intact and
     the accounting equal to the files on disk."""
-    store = SpillBuffer(str(tmp_path), target=1)._slow_uncached
+    store = SpillBuffer(str(tmp_path), target=1).store
     errors: list[BaseException] = []
 
     def worker(tid: int) -> None:

@@ -88,9 +88,9 @@ def check_same_state(stock: Any, ours: Any) -> None:
     assert ours.spilled_total.memory == stock.spilled_total.memory
     overhead = ours.spilled_total.disk - stock.spilled_total.disk
     assert 0 <= overhead <= disk_overhead_bound(len(stock.slow))
-    assert set(ours._slow_uncached.weight_by_key) == set(stock._slow_uncached.weight_by_key)
-    for key, stock_weight in stock._slow_uncached.weight_by_key.items():
-        assert ours._slow_uncached.weight_by_key[key].memory == stock_weight.memory
+    assert set(ours.store.weight_by_key) == set(stock.store.weight_by_key)
+    for key, stock_weight in stock.store.weight_by_key.items():
+        assert ours.store.weight_by_key[key].memory == stock_weight.memory
 
 
 def step(stock: Any, ours: Any, op: str, key: Any, value: object) -> None:

@@ -216,18 +216,17 @@ def test_memmap_buffer_values_stay_intact(directory):
         buf[f"y{i}"] = np.full(MiB, i, dtype="u8")
         del buf[f"y{i}"]
     np.testing.assert_array_equal(x, np.arange(MiB, dtype="u8"))
-    assert buf._slow_uncached.files.pooled == (0, 0)
+    assert buf.store.files.pooled == (0, 0)
 
 
-def test_shared_buffer_never_recycles(shm_dir):
+def test_shared_buffer_never_recycles(shm_dir, tmp_path):
     import dask
 
-    from dask_shm.shared import transfer
+    from dask_shm.shared import SharedSpillBuffer
 
-    with dask.config.set({"shm.shared-memory.root": shm_dir}):
-        transfer.enable_receiving(shm_dir)
-        buf = SpillBuffer(None, target=MiB, shared=True)
-        assert buf.shared
+    settings = {"shm.shared-memory.root": shm_dir, "shm.shared-memory.disk-root": str(tmp_path)}
+    with dask.config.set(settings):
+        buf = SharedSpillBuffer.from_config(MiB)
         buf["x"] = np.arange(MiB, dtype="u8")
         x = buf["x"]
         del buf["x"]
@@ -235,7 +234,8 @@ def test_shared_buffer_never_recycles(shm_dir):
             buf[f"y{i}"] = np.full(MiB, i, dtype="u8")
             del buf[f"y{i}"]
         np.testing.assert_array_equal(x, np.arange(MiB, dtype="u8"))
-        assert buf._slow_uncached.files.pooled == (0, 0)
+        assert buf.store.tiers.tmpfs.pooled == (0, 0)
+        assert buf.store.tiers.disk.pooled == (0, 0)
 
 
 @pytest.mark.parametrize("cycle", ["del", "unspill"])
@@ -260,7 +260,7 @@ def test_spill_buffer_steady_state(directory, cycle):
         for key, value in expected.items():
             if key in buf.slow:
                 np.testing.assert_array_equal(buf[key], value)
-        files = buf._slow_uncached.files
+        files = buf.store.files
         entries, pool, other = listing(directory)
         assert entries == sorted(files.names())
         assert len(pool) == files.pooled[0]
@@ -268,7 +268,7 @@ def test_spill_buffer_steady_state(directory, cycle):
         assert buf.spilled_total.disk == sum(
             os.path.getsize(os.path.join(directory, n)) for n in entries
         )
-    assert buf._slow_uncached.files.pooled[0] > 0
+    assert buf.store.files.pooled[0] > 0
 
 
 def test_reads_racing_overwrites_never_see_a_recycled_file(directory):

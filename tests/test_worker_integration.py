@@ -114,7 +114,7 @@ def test_buffer_sized_from_worker_memory_config(tmp_path):
     with dask.config.set({"distributed.worker.memory.max-spill": "2 MiB"}):
         capped = spill_buffer_for_worker(str(tmp_path / "capped"), memory_limit="1 GiB")
     assert isinstance(capped, SpillBuffer)
-    assert capped._slow_uncached.max_weight == 2 * 2**20
+    assert capped.store.max_weight == 2 * 2**20
 
 
 @pytest.mark.parametrize(

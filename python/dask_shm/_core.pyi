@@ -211,6 +211,35 @@ def read_peer_file(
 def live_mappings() -> int:
     """Number of spill-file mappings (``MappedFile``) alive in this process."""
 
+# --- tiers of the shared-memory store (rust/tier.rs, rust/py_tier.rs) ---
+
+def move_entry(src: FileStore, name: str, dst: FileStore) -> tuple[str, int]:
+    """Move entry ``name`` of ``src`` into ``dst``: copy in the kernel
+    (copy_file_range, else sendfile), account it in ``dst`` with the same
+    memory size, then remove it from ``src``; the GIL is released. Returns
+    ``(name in dst, disk bytes)``. Raises KeyError/OSError/SpillFileError,
+    leaving ``src`` unchanged."""
+
+@final
+class TierBudget:
+    """Byte budget of tier 2 with least-recently-used order; pinned entries
+    (mapped by values in memory) never move. Thread-safe bookkeeping only."""
+
+    def __init__(self, limit: int) -> None: ...
+    limit: int
+    @property
+    def used(self) -> int: ...
+    def add(self, name: str, size: int) -> None: ...
+    def remove(self, name: str) -> bool: ...
+    def touch(self, name: str) -> None: ...
+    def pin(self, name: str) -> None: ...
+    def unpin(self, name: str) -> None: ...
+    def is_pinned(self, name: str) -> bool: ...
+    def plan(self, incoming: int) -> tuple[list[str], bool]:
+        """``(victims, fits)``: entries to move out, oldest first, and whether
+        ``incoming`` more bytes then fit within the limit."""
+    def __len__(self) -> int: ...
+
 # -- arrays born shared (rust/born.rs, rust/born_py.rs) ---------------------------
 
 def born_configure(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 
 import dask.config
@@ -76,6 +77,12 @@ class SharedMemorySettings:
     #: Values whose payload is less than this fraction of out-of-band buffers
     #: (i.e. mostly pickled Python objects) stay private.
     min_shared_fraction: float
+    #: Tier-2 budget per worker: None (auto), bytes (int) or a fraction of the
+    #: worker's memory limit (float in (0, 1]); see shared/limits.py.
+    max_bytes: int | float | None = None
+    #: Directory on a real file system for tier-3 files (``dask-shm-<uid>/``
+    #: is made under it).
+    disk_root: str = ""
 
     @classmethod
     def from_config(cls) -> SharedMemorySettings:
@@ -121,4 +128,33 @@ class SharedMemorySettings:
                 "config shm.shared-memory.min-shared-fraction must be a number between "
                 f"0 and 1; got {fraction!r}"
             )
-        return cls(enabled, root, int(min_size), float(fraction))
+        raw_max = get("max-bytes")
+        max_bytes: int | float | None
+        if raw_max is None or raw_max == "auto":
+            max_bytes = None
+        elif isinstance(raw_max, float) and 0 < raw_max <= 1:
+            max_bytes = raw_max
+        else:
+            try:
+                if isinstance(raw_max, (bool, float)):
+                    raise TypeError
+                max_bytes = int(parse_bytes(raw_max))  # type: ignore[arg-type]
+                if max_bytes < 0:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ValueError(
+                    "config shm.shared-memory.max-bytes must be 'auto', a byte size such "
+                    "as '2 GiB' (0: everything spills to disk), or a fraction of the "
+                    f"worker's memory limit in (0, 1] such as 0.3; got {raw_max!r}"
+                ) from None
+        disk_root = get("disk-root")
+        if disk_root is None:
+            base = dask.config.get("temporary-directory", default=None) or tempfile.gettempdir()
+            disk_root = os.path.join(base, "dask-scratch-space")
+        if not isinstance(disk_root, str) or not os.path.isabs(disk_root):
+            raise ValueError(
+                "config shm.shared-memory.disk-root must be null (dask's temporary "
+                "directory) or an absolute path on a real file system; "
+                f"got {disk_root!r}"
+            )
+        return cls(enabled, root, int(min_size), float(fraction), max_bytes, disk_root)

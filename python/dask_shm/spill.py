@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
-import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, cast
+from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import zict
 from dask.typing import Key
@@ -18,12 +16,8 @@ from distributed.sizeof import safe_sizeof
 from distributed.spill import SpilledSize
 from distributed.utils import RateLimiterFilter
 
-from dask_shm._core import ForgedHandleError, SpillFileError
+from dask_shm._core import SpillFileError
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, SpillStore
-
-if TYPE_CHECKING:
-    from dask_shm.shared.store import Handle, SharedSpillStore
-    from dask_shm.shared.transfer import Received
 
 logger = logging.getLogger(__name__)
 logger.addFilter(RateLimiterFilter("Spill file on disk reached capacity"))
@@ -95,16 +89,11 @@ class SpillBuffer(zict.Buffer[Key, object]):
         non-object pandas data are deserialized without a copy and pages are
         read lazily on first touch. Writes to such values stay private.
     shared:
-        Shared-memory mode (see :mod:`dask_shm.shared`): files on the tmpfs
-        ``shm.shared-memory.root`` (``spill_directory`` may then be None: a
-        fresh directory is made there), mapped on unspill and kept while the
-        value is in memory, so such a value costs only its private bytes
-        (``sizeof`` minus what lives in the mapping) against ``target`` and
-        evicting it again writes nothing; other workers on the host can take
-        the file over by hard link. Values that are mostly pickled Python
-        objects, or smaller than ``shm.shared-memory.min-size``, stay private.
-        If the root is unusable (not Linux, missing, not a tmpfs), a warning is
-        logged and the buffer runs in private mode (``self.shared`` is False).
+        Must be False. Shared-memory mode is :class:`dask_shm.shared.SharedSpillBuffer`
+        (``SharedSpillBuffer.from_config(target)`` replaces the former
+        ``SpillBuffer(None, target, shared=True)``).
+
+    Raises TypeError for ``shared=True``.
     """
 
     logged_pickle_errors: set[Key]
@@ -120,24 +109,15 @@ class SpillBuffer(zict.Buffer[Key, object]):
         memmap: bool = False,
         shared: bool = False,
     ):
-        self._operation_lock = threading.RLock()
-        self.cumulative_metrics = defaultdict(float)
-        self.logged_pickle_errors = set()
-        #: shared mode: transfers by hard link and their fallbacks
-        self.shm_counters: defaultdict[str, int] = defaultdict(int)
-        store = (
-            _open_shared_store(spill_directory, max_spill, self.cumulative_metrics)
-            if shared
-            else None
-        )
-        self.shared = store is not None
-        if store is not None:
-            # The shared store keeps its own weak cache of private values;
-            # mapped values need none (the kernel shares their pages).
-            super().__init__(fast={}, slow=store, n=target, weight=self._shared_weight)
-            return
+        if shared:
+            raise TypeError(
+                "SpillBuffer(shared=True) is now dask_shm.shared.SharedSpillBuffer: use "
+                "SharedSpillBuffer.from_config(target, max_spill) (or register "
+                "dask_shm.SharedMemoryPlugin on the workers)"
+            )
+        self._init_state(defaultdict(float))
         if spill_directory is None:
-            raise ValueError("spill_directory is required unless shared=True")
+            raise ValueError("spill_directory is required")
         slow = SpillStore(
             spill_directory, max_spill, metrics=self.cumulative_metrics, mapped=memmap
         )
@@ -145,6 +125,16 @@ class SpillBuffer(zict.Buffer[Key, object]):
         # from the weak-value cache instead of being read (and held) twice.
         slow_cached = zict.Cache(slow, zict.WeakValueMapping())
         super().__init__(fast={}, slow=slow_cached, n=target, weight=_in_memory_weight)
+
+    def _init_state(self, metrics: defaultdict[tuple[str, str], float]) -> None:
+        """State every buffer built on this class needs before zict's __init__."""
+        self._operation_lock = threading.RLock()
+        self.cumulative_metrics = metrics
+        self.logged_pickle_errors = set()
+
+    def _insert(self, key: Key, value: object) -> None:
+        """Store ``value`` (zict's insertion: memory or, if too large, disk)."""
+        zict.Buffer.__setitem__(self, key, value)
 
     def _handle(self, e: Exception, key: Key | None) -> NoReturn:
         """Turn an internal spill exception into the public contract: raise
@@ -181,10 +171,7 @@ class SpillBuffer(zict.Buffer[Key, object]):
         reached) is logged and the key that caused it stays in memory.
         """
         try:
-            if self.shared:
-                self._shared_setitem(key, value)
-            else:
-                super().__setitem__(key, value)
+            self._insert(key, value)
             self.logged_pickle_errors.discard(key)
         except (MaxSpillExceeded, PickleError, OSError) as e:
             try:
@@ -254,8 +241,6 @@ class SpillBuffer(zict.Buffer[Key, object]):
             except KeyError:
                 del self.slow[key]
             self.logged_pickle_errors.discard(key)
-            if self.shared:
-                self._shared_store.discard_retained(key)
 
     def pop(self, key: Key, default: object = None) -> object:
         raise NotImplementedError(
@@ -278,164 +263,22 @@ class SpillBuffer(zict.Buffer[Key, object]):
         return self.slow
 
     @property
-    def _slow_uncached(self) -> SpillStore:
-        if self.shared:
-            return cast(SpillStore, self.slow)
+    def store(self) -> SpillStore:
+        """The store holding the spilled values (``disk`` without its
+        weak-value cache): ``weight_by_key``, ``total_weight``, ``path(key)``,
+        ``files``. Read it; do not write through it."""
         return cast(SpillStore, cast(zict.Cache, self.slow).data)
 
-    # -- shared-memory mode ------------------------------------------------------
-
     @property
-    def _shared_store(self) -> SharedSpillStore:
-        return cast("SharedSpillStore", self.slow)
-
-    def _shared_weight(self, key: Key, value: object) -> int:
-        private = self._shared_store.private_weight(key, value)
-        return safe_sizeof(value) if private is None else private
-
-    def _shared_setitem(self, key: Key, value: object) -> None:
-        from dask_shm.shared import transfer
-
-        store = self._shared_store
-        received = transfer.claim(value)
-        with self.lock:
-            r = store.retained.get(key)
-            if r is not None and r.value_id != id(value):
-                store.discard_retained(key)
-            if received is not None:
-                name = self._adopt_received(key, received)
-                if name is not None:
-                    store.retain(key, value, name)
-        super().__setitem__(key, value)
-
-    def _adopt_received(self, key: Key, received: Received) -> str | None:
-        try:
-            name = self._shared_store.adopt(key, received.handle)
-        except (ForgedHandleError, OSError) as e:
-            # The value is fine (already deserialized); it just stays private.
-            logger.info("dask-shm: could not link the file received for %r: %s", key, e)
-            self.shm_counters["adopt_failures"] += 1
-            return None
-        finally:
-            received.release()
-        self.shm_counters["received_links"] += 1
-        self.shm_counters["received_bytes"] += received.handle.size
-        return name
-
-    def slow_to_fast(self, key: Key) -> object:
-        if not self.shared:
-            return super().slow_to_fast(key)
-        store = self._shared_store
-        self._cancel_restore[key] = False
-        try:
-            with self.unlock():
-                value, backed = store.load(key)
-            if self._cancel_restore[key]:
-                raise KeyError(key)
-        finally:
-            del self._cancel_restore[key]
-        if backed:
-            # The file stays, backing the value; only its private bytes count.
-            store.retain(key, value)
-            self.fast.set_noevict(key, value)
-        elif self.weight(key, value) <= self.n:
-            self.fast.set_noevict(key, value)
-            del self.slow[key]
-        with self.unlock():
-            self.fast.evict_until_below_target()
-            for cb in self.slow_to_fast_callbacks:
-                cb(key, value)
-        return value
-
-    def fast_to_slow(self, key: Key, value: object) -> None:
-        if self.shared and self._shared_store.release(key, value):
-            return  # its file is still there: nothing to write
-        super().fast_to_slow(key, value)
-
-    def shared_bytes(self, key: Key) -> int:
-        """Bytes of ``key``'s shared file that count for this worker (1/k of
-        the file for k hard links); 0 for a private key or a private buffer.
-        Read by the span extension to report per-span shared memory."""
-        if not self.shared:
-            return 0
-        store = self._shared_store
-        name = store.file_of(key)
-        if name is None or name not in store.shareable:
-            return 0
-        return store.files.sizes(name)[1]
-
-    @_serialized
-    def export(self, key: Key) -> Handle | None:
-        """Shared mode: make sure ``key`` is in a file and return a handle for a
-        peer on this host (a fresh hard link the caller deletes once the peer
-        has linked it). A value held privately in memory is written out and
-        leaves memory (its next use maps the file). Returns None when the
-        key is absent, the buffer is private, the value is not worth sharing,
-        or writing/linking fails (the caller then sends bytes)."""
-        if not self.shared:
-            return None
-        store = self._shared_store
-        with self.lock:
-            try:
-                if store.file_of(key) is None:
-                    if key not in self.fast:
-                        return None
-                    value = self.fast.d[key]
-                    store[key] = value
-                    del self.fast[key]
-                return store.export(key)
-            except (MaxSpillExceeded, PickleError, OSError) as e:
-                logger.info("dask-shm: cannot hand %r over by hard link: %s", key, e)
-                return None
+    def _slow_uncached(self) -> SpillStore:
+        # Former private name of ``store``, kept for code written against it.
+        return self.store
 
     @property
     def spill_directory(self) -> str:
-        return self._slow_uncached.directory
+        return self.store.directory
 
     @property
     def spilled_total(self) -> SpilledSize:
         """``(sizeof, bytes on disk)`` summed over the spilled values."""
-        return self._slow_uncached.total_weight
-
-
-def _open_shared_store(
-    spill_directory: str | None,
-    max_spill: int | Literal[False],
-    metrics: defaultdict[tuple[str, str], float],
-) -> SharedSpillStore | None:
-    """The store of a shared-mode buffer, or None (with a warning) when the
-    configured root cannot be used."""
-    from dask_shm.config import SharedMemorySettings
-    from dask_shm.shared import paths
-    from dask_shm.shared.store import SharedSpillStore
-
-    settings = SharedMemorySettings.from_config()
-    try:
-        paths.check_root(settings.root)
-        if spill_directory is None:
-            spill_directory = paths.subdir(settings.root, f"buffer-{uuid.uuid4().hex[:12]}")
-        elif (
-            os.stat(paths.user_root(settings.root)).st_dev
-            != os.stat(os.path.dirname(os.path.abspath(spill_directory)) or "/").st_dev
-        ):
-            raise paths.UnusableRoot(
-                f"spill directory {spill_directory} is not on the shared-memory root "
-                f"{settings.root}'s file system"
-            )
-        outgoing = paths.subdir(settings.root, "outgoing")
-    except (paths.UnusableRoot, OSError) as e:
-        logger.warning("dask-shm: %s; shared-memory mode is off, spilling privately", e)
-        if spill_directory is None:
-            raise ValueError(
-                "shared-memory mode is unavailable and no spill_directory was given"
-            ) from e
-        return None
-    return SharedSpillStore(
-        spill_directory,
-        max_spill,
-        root=settings.root,
-        outgoing_directory=outgoing,
-        min_size=settings.min_size,
-        min_shared_fraction=settings.min_shared_fraction,
-        metrics=metrics,
-    )
+        return self.store.total_weight

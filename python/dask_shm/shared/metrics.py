@@ -9,8 +9,6 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dask_shm.shared import transfer
-
 if TYPE_CHECKING:
     from distributed import Worker
 
@@ -27,6 +25,10 @@ COUNTERS = (
 
 _DESCRIPTIONS = {
     "shared_bytes": "Bytes of this worker's data in shared-memory files (1/k per holder)",
+    "disk_bytes": "Bytes of this worker's files in tier 3 (a real file system)",
+    "tier2_budget": "Bytes of shared-memory files this worker keeps before moving to disk",
+    "tier3_moves": "Files moved from shared memory to disk (tier 3)",
+    "pending_arrivals": "Files received from peers whose value is not stored yet",
     "retained_keys": "Keys in memory backed by a shared-memory file",
     "link_transfers": "Keys sent to same-host peers as hard-link handles",
     "link_bytes": "Bytes sent to same-host peers as hard-link handles",
@@ -35,7 +37,7 @@ _DESCRIPTIONS = {
     "received_links": "Keys received by hard link and kept shared",
     "received_bytes": "Bytes received by hard link and kept shared",
     "adopt_failures": "Received files that could not be linked into the spill directory",
-    "receive_fallback_transfers": "Handles received but read by copy (process-wide)",
+    "receive_fallback_transfers": "Handles received but read by copy",
     "degraded_reads": "Unspills read by copy because of mapping limits",
 }
 
@@ -44,21 +46,23 @@ def shm_metrics(dask_worker: Worker) -> dict[str, float]:
     """Shared-memory figures of a worker; all zeros when its data is not a
     shared-mode :class:`~dask_shm.SpillBuffer`. The argument's name lets
     ``client.run(shm_metrics)`` pass the worker."""
-    from dask_shm.shared.store import SharedSpillStore
-    from dask_shm.spill import SpillBuffer
+    from dask_shm.shared.buffer import SharedSpillBuffer
 
     out: dict[str, float] = dict.fromkeys(_DESCRIPTIONS, 0.0)
     data = dask_worker.data
-    if not isinstance(data, SpillBuffer) or not data.shared:
+    if not isinstance(data, SharedSpillBuffer):
         return out
-    store = data._slow_uncached
-    assert isinstance(store, SharedSpillStore)
-    out["shared_bytes"] = float(store.total_weight.disk)
+    store = data.store
+    out["shared_bytes"] = float(data.tier2_bytes())
+    out["disk_bytes"] = float(store.tiers.disk.total()[1])
+    out["tier2_budget"] = float(store.tiers.budget.limit)
+    out["tier3_moves"] = float(store.tiers.moves)
     out["retained_keys"] = float(len(store.retained))
     out["degraded_reads"] = float(store.degraded_reads)
     for name in COUNTERS:
         out[name] = float(data.shm_counters[name])
-    out["receive_fallback_transfers"] = float(transfer.receive_counters["fallback_transfers"])
+    out["receive_fallback_transfers"] = float(data.shm_counters["receive_fallback_transfers"])
+    out["pending_arrivals"] = float(data.pending_arrivals())
     return out
 
 

@@ -1,22 +1,28 @@
-"""Memory monitors that do not count shared pages as a worker's own memory.
+"""Memory monitors that count what a shared-memory worker really holds.
 
 A worker that maps shared files touches tmpfs pages; Linux counts them in the
-process RSS (as ``RssShmem``) although they belong to the host's shared files,
-are counted once host-wide and already appear as "spilled". Stock distributed
-compares RSS with the memory limit, so a worker would spill, pause and be
-restarted for memory it does not own. Here process memory is ``rss - shmem``
-(:attr:`dask_shm.procmem.ProcessMemory.private`):
+process RSS (as ``RssShmem``) of every process that maps them, so counting
+RSS double counts them, and leaving them out hides RAM from every limit
+(the memory cgroup charges tmpfs pages like any other). Here a worker's
+memory is its private memory (``rss - shmem``,
+:attr:`dask_shm.procmem.ProcessMemory.private`) plus its 1/k share of the
+tmpfs files it holds, mapped or not (a file with k hard links counts 1/k on
+each holder): summed over a host's workers that is the host's real use, so
+the spill, pause and terminate thresholds behave as in stock.
 
 - on the worker, ``worker.monitor.get_process_memory`` (the hook distributed
   keeps for exactly this purpose) is replaced: spilling, pausing and the
   process/unmanaged memory the worker reports all follow;
 - on the nanny, the periodic ``memory_monitor`` that restarts a worker above
-  ``distributed.worker.memory.terminate`` is replaced by one reading private memory.
+  ``distributed.worker.memory.terminate`` is replaced by one reading the
+  same figure from outside (:func:`tmpfs_share` of the worker's process
+  directory under the root).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from distributed.core import Status
@@ -27,6 +33,8 @@ from dask_shm.procmem import process_memory
 if TYPE_CHECKING:
     from distributed import Nanny, Worker
 
+    from dask_shm.shared.buffer import SharedSpillBuffer
+
 logger = logging.getLogger("distributed.nanny")
 
 
@@ -35,8 +43,42 @@ def private_process_memory() -> int:
     return process_memory().private
 
 
-def install_worker_monitor(worker: Worker) -> None:
-    worker.monitor.get_process_memory = private_process_memory  # type: ignore[method-assign]
+def tmpfs_share(root: str, pid: int) -> int:
+    """Bytes of tmpfs files under the directories of process ``pid`` in
+    ``root``'s per-user directory, each file counted ``size / links``; 0 if
+    there are none."""
+    base = os.path.join(root, f"dask-shm-{os.geteuid()}")
+    total = 0
+    try:
+        entries = [e for e in os.scandir(base) if e.name.startswith(f"p-{pid}-")]
+    except OSError:
+        return 0
+    stack = [e.path for e in entries]
+    while stack:
+        try:
+            it = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    elif e.is_file(follow_symlinks=False):
+                        st = e.stat(follow_symlinks=False)
+                        total += st.st_size // max(st.st_nlink, 1)
+                except OSError:
+                    continue
+    return total
+
+
+def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
+    """Worker memory = private memory + ``buffer``'s tier-2 share."""
+
+    def worker_memory() -> int:
+        return private_process_memory() + buffer.tier2_bytes()
+
+    worker.monitor.get_process_memory = worker_memory  # type: ignore[method-assign]
 
 
 def uninstall_worker_monitor(worker: Worker) -> None:
@@ -44,11 +86,13 @@ def uninstall_worker_monitor(worker: Worker) -> None:
 
 
 class _PrivateMemoryTerminator:
-    """The nanny's terminate check, on private memory (stock's logic otherwise:
+    """The nanny's terminate check, on private memory plus the worker's share of
+    its tmpfs files (stock's logic otherwise:
     SIGTERM first, SIGKILL if the same process is still over the limit)."""
 
-    def __init__(self, nanny: Nanny):
+    def __init__(self, nanny: Nanny, root: str | None):
         self.nanny = nanny
+        self.root = root
         self.last_terminated_pid = -1
 
     def __call__(self) -> None:
@@ -64,12 +108,14 @@ class _PrivateMemoryTerminator:
             memory = process_memory(process.pid).private
         except ProcessLookupError:
             return
+        if self.root is not None:
+            memory += tmpfs_share(self.root, process.pid)
         if memory / limit <= fraction:
             return
         if self.last_terminated_pid != process.pid:
             logger.warning(
-                "Worker %s (pid=%d) exceeded %.0f%% memory budget (private memory, "
-                "shared pages excluded). Restarting...",
+                "Worker %s (pid=%d) exceeded %.0f%% memory budget (private memory "
+                "plus its share of shared-memory files). Restarting...",
                 nanny.worker_address,
                 process.pid,
                 fraction * 100,
@@ -89,15 +135,16 @@ class _PrivateMemoryTerminator:
             process.kill()
 
 
-def install_nanny_monitor(nanny: Nanny) -> bool:
-    """Replace the nanny's terminate check; False if the nanny has none
-    (no memory limit, or terminate disabled)."""
+def install_nanny_monitor(nanny: Nanny, root: str | None) -> bool:
+    """Replace the nanny's terminate check (counting the worker's share of
+    files under ``root`` too, unless None); False if the nanny has none (no
+    memory limit, or terminate disabled)."""
     stock = nanny.periodic_callbacks.get("memory_monitor")
     if stock is None:
         return False
     was_running = stock.is_running()
     stock.stop()
-    ours = PeriodicCallback(_PrivateMemoryTerminator(nanny), stock.callback_time)
+    ours = PeriodicCallback(_PrivateMemoryTerminator(nanny, root), stock.callback_time)
     nanny.periodic_callbacks["memory_monitor"] = ours
     if was_running:
         ours.start()

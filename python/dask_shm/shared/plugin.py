@@ -8,11 +8,11 @@ import sys
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import dask.config
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from dask_shm.config import SharedMemorySettings
-from dask_shm.shared import metrics, monitor, paths, transfer
+from dask_shm.shared import limits, metrics, monitor, paths, transfer
+from dask_shm.shared.buffer import SharedSpillBuffer
 from dask_shm.shared.registry import PeerRegistry
 from dask_shm.shared.sender import install_get_data
 
@@ -28,12 +28,14 @@ class SharedMemoryPlugin(WorkerPlugin):
     """Put a worker in shared-memory mode.
 
     On setup: removes directories left by dead processes on the root; gives
-    the worker a shared-mode :class:`~dask_shm.SpillBuffer` (sized from the
+    the worker a :class:`~dask_shm.shared.SharedSpillBuffer` (sized from the
     worker's memory limit and config like the stock buffer; a worker whose
     config disables spilling still gets one, that never spills on its own,
     so it can exchange files); answers same-host peers' ``get_data`` with
-    hard-link handles and accepts theirs; leaves shared pages out of the
-    memory monitor; publishes metrics (``get_metrics()["shm"]``, Prometheus
+    hard-link handles and accepts theirs into its buffer; makes the memory
+    monitor count private memory plus the worker's 1/k share of its tmpfs
+    files (tier 2, within a budget from ``shm.shared-memory.max-bytes``; one
+    warning if the root is too small); publishes metrics (``get_metrics()["shm"]``, Prometheus
     ``dask_worker_shm_*``). On teardown (worker closing) it undoes that and
     deletes the worker's files (links held by peers keep their data alive).
 
@@ -52,13 +54,12 @@ class SharedMemoryPlugin(WorkerPlugin):
         self.root = root
 
     def setup(self, worker: Worker) -> None:
-        from dask_shm.spill import SpillBuffer
         from dask_shm.worker import SpillBufferPlugin, install_spill_buffer, target_from_config
 
+        if isinstance(worker.data, SharedSpillBuffer):
+            return
         settings = SharedMemorySettings.from_config()
         root = self.root or settings.root
-        if isinstance(worker.data, SpillBuffer) and worker.data.shared:
-            return
         try:
             paths.check_root(root)
         except paths.UnusableRoot as e:
@@ -66,21 +67,38 @@ class SharedMemoryPlugin(WorkerPlugin):
             SpillBufferPlugin().setup(worker)
             return
         paths.sweep_dead_processes(root)
-        target = target_from_config(worker.memory_manager.memory_limit) or sys.maxsize
-        directory = paths.subdir(root, f"w-{uuid.uuid4().hex[:12]}")
-        with dask.config.set({"shm.shared-memory.root": root}):
-            buffer = SpillBuffer(
-                directory, target, max_spill=worker.memory_manager.max_spill, shared=True
-            )
+        paths.sweep_dead_processes(settings.disk_root)
+        memory_limit = worker.memory_manager.memory_limit
+        budget = limits.tier2_budget(settings.max_bytes, root, memory_limit)
+        _warn_small_root(root, budget)
+        target = target_from_config(memory_limit) or sys.maxsize
+        buffer = SharedSpillBuffer.create(
+            target,
+            root=root,
+            disk_root=settings.disk_root,
+            budget=budget.limit,
+            min_size=settings.min_size,
+            min_shared_fraction=settings.min_shared_fraction,
+            max_spill=worker.memory_manager.max_spill,
+            name=f"w-{uuid.uuid4().hex[:12]}",
+        )
         install_spill_buffer(worker, buffer)
-        transfer.enable_receiving(root)
-        self._directory = directory
+        self._buffer = buffer
+        self._original_gather_dep = _receive_fetches_into(worker, buffer)
+        transfer.enable_receiving(buffer)
         self._registry = PeerRegistry(root)
         self._original_get_data = install_get_data(worker, buffer, self._registry)
         self._registry.register(worker.address)
-        monitor.install_worker_monitor(worker)
+        monitor.install_worker_monitor(worker, buffer)
         metrics.install(worker)
-        logger.info("dask-shm: shared-memory mode on %s (files in %s)", worker.address, directory)
+        logger.info(
+            "dask-shm: shared-memory mode on %s (tier 2 %s, budget %d MiB = %s; tier 3 %s)",
+            worker.address,
+            buffer.store.directory,
+            budget.limit >> 20,
+            budget.reason,
+            buffer.store.tiers.disk.directory,
+        )
 
     def teardown(self, worker: Worker) -> None:
         registry = getattr(self, "_registry", None)
@@ -88,14 +106,50 @@ class SharedMemoryPlugin(WorkerPlugin):
             return
         registry.unregister(worker.address)
         worker.handlers["get_data"] = self._original_get_data
+        worker.__dict__.pop("gather_dep", None)
         monitor.uninstall_worker_monitor(worker)
         metrics.uninstall(worker)
-        shutil.rmtree(self._directory, ignore_errors=True)
+        buffer = self._buffer
+        if transfer.receiver() is buffer:
+            transfer.enable_receiving(None)
+        buffer.close()
+        shutil.rmtree(buffer.store.directory, ignore_errors=True)
+        shutil.rmtree(buffer.store.tiers.disk.directory, ignore_errors=True)
+
+
+_warned_small_root = False
+
+
+def _warn_small_root(root: str, budget: limits.Budget) -> None:
+    """One warning per process for a root too small for a useful tier 2."""
+    global _warned_small_root
+    if budget.small_root and not _warned_small_root:
+        _warned_small_root = True
+        logger.warning(
+            "dask-shm: the shared-memory root %s has only %d MiB free; spilled data "
+            "beyond that goes to disk (tier 3). To share more in memory, %s.",
+            root,
+            limits.tmpfs_space(root).free >> 20,
+            limits.SMALL_ROOT_ADVICE,
+        )
+
+
+def _receive_fetches_into(worker: Worker, buffer: SharedSpillBuffer) -> Any:
+    """Make handles that arrive during ``worker``'s fetches go to ``buffer``."""
+    original = worker.gather_dep
+
+    async def gather_dep(*args: Any, **kwargs: Any) -> Any:
+        with transfer.receiving_into(buffer):
+            return await original(*args, **kwargs)
+
+    worker.gather_dep = gather_dep  # type: ignore[method-assign]
+    return original
 
 
 class SharedMemoryNannyPlugin(NannyPlugin):
     """Nanny side of shared-memory mode: the nanny's terminate check reads the
-    worker's private memory (shared pages excluded), and directories of dead
+    worker's private memory plus its 1/k share of its tmpfs files (as the
+    worker's own monitor does), and directories of dead
     worker processes are removed when the nanny starts and closes.
 
     >>> client.register_plugin(SharedMemoryNannyPlugin())  # doctest: +SKIP
@@ -116,8 +170,8 @@ class SharedMemoryNannyPlugin(NannyPlugin):
         return root
 
     def setup(self, nanny: Nanny) -> None:
-        monitor.install_nanny_monitor(nanny)
         root = self._root()
+        monitor.install_nanny_monitor(nanny, root)
         if root is not None:
             paths.sweep_dead_processes(root)
 

@@ -26,7 +26,7 @@ from dask_shm.shared.registry import PeerRegistry
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from dask_shm.spill import SpillBuffer
+    from dask_shm.shared.buffer import SharedSpillBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class _HandleSwappingComm:
     """Delegates to ``comm``; ``write`` replaces values by handles."""
 
-    def __init__(self, comm: Any, buffer: SpillBuffer):
+    def __init__(self, comm: Any, buffer: SharedSpillBuffer):
         self._comm = comm
         self._buffer = buffer
         self.links: list[str] = []
@@ -85,7 +85,7 @@ def _nbytes(value: object) -> int:
 GetData = Callable[..., Awaitable[Any]]
 
 
-def install_get_data(worker: Worker, buffer: SpillBuffer, registry: PeerRegistry) -> GetData:
+def install_get_data(worker: Worker, buffer: SharedSpillBuffer, registry: PeerRegistry) -> GetData:
     """Wrap ``worker``'s get_data handler; returns the handler it replaced."""
     original: GetData = worker.handlers["get_data"]
 

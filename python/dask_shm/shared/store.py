@@ -24,16 +24,17 @@ import os
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import msgpack
 from dask.typing import Key
 from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
-from dask_shm._core import live_mappings
+from dask_shm._core import FileStore, live_mappings
 from dask_shm.shared import born
 from dask_shm.shared.payload import worth_sharing
+from dask_shm.shared.tiers import TieredFiles
 from dask_shm.spill_store import PickleError, SpillStore, file_stem, serialize_unsplit
 
 
@@ -68,6 +69,8 @@ class Handle:
     size: int
     memory: int
     shareable: int
+    #: file name stem of the key (``spill_store.file_stem``)
+    stem: str = "in"
 
 
 class SharedSpillStore(SpillStore):
@@ -83,17 +86,33 @@ class SharedSpillStore(SpillStore):
     def __init__(
         self,
         spill_directory: str,
+        disk_directory: str,
         max_weight: int | Literal[False] = False,
         *,
         root: str,
-        outgoing_directory: str,
+        disk_root: str,
+        budget: int,
+        outgoing: tuple[str, str],
         min_size: int,
         min_shared_fraction: float,
         metrics: defaultdict[tuple[str, str], float] | None = None,
     ):
+        """Files go to ``spill_directory`` (tier 2, under the tmpfs ``root``)
+        up to ``budget`` bytes, the rest to ``disk_directory`` (tier 3, under
+        ``disk_root`` on a real file system); ``outgoing`` are the two tiers'
+        directories for links handed to peers. Raises OSError if a
+        directory cannot be made."""
         super().__init__(spill_directory, max_weight, metrics=metrics, mapped=True)
         self.root = root
-        self.outgoing_directory = outgoing_directory
+        #: where each file lives (see :mod:`dask_shm.shared.tiers`)
+        self.tiers = TieredFiles(
+            self.files,
+            FileStore(disk_directory),
+            budget,
+            roots=(root, disk_root),
+            outgoing=outgoing,
+        )
+        self.files = cast(Any, self.tiers)
         self.min_size = min_size
         self.min_shared_fraction = min_shared_fraction
         #: file name -> shareable bytes, for files worth sharing
@@ -174,13 +193,17 @@ class SharedSpillStore(SpillStore):
     def retain(self, key: Key, value: object, name: str | None = None) -> None:
         """Keep a file backing ``value`` (in memory) for ``key``: by default
         the file ``key`` is spilled in, which leaves the store; or an adopted
-        file ``name``. Its memory accounting drops to the shared bytes."""
+        file ``name``. Its memory accounting drops to the shared bytes (none
+        for a tier-3 file)."""
         if name is None:
             name = self.filenames.pop(key)
         memory, _ = self.files.sizes(name)
-        shareable = self.shareable.get(name, 0)
+        # A mapping of a tier-3 file is page cache the process's RSS counts
+        # (RssFile), so such a value weighs its full size, like a private one.
+        shareable = self.shareable.get(name, 0) if self.tiers.tier_of(name) == 2 else 0
         self.retained[key] = Retained(name, id(value), memory, shareable)
         self.files.set_memory(name, min(shareable, memory))
+        self.tiers.pin(name)
 
     def release(self, key: Key, value: object) -> bool:
         """If ``value`` is the retained value of ``key``, put ``key`` back in
@@ -191,6 +214,7 @@ class SharedSpillStore(SpillStore):
         del self.retained[key]
         self.files.set_memory(r.name, r.memory)
         self._register(key, r.name)
+        self.tiers.unpin(r.name)
         return True
 
     def discard_retained(self, key: Key) -> None:
@@ -225,10 +249,10 @@ class SharedSpillStore(SpillStore):
     # -- hand-over between stores ------------------------------------------------
 
     def export(self, key: Key) -> Handle | None:
-        """A new hard link to ``key``'s file in the outgoing directory, for a
-        peer to adopt; None when the value is not worth sharing. The caller
-        deletes the link once the peer has it. Raises OSError when the link
-        cannot be made (EMLINK, ...)."""
+        """A new hard link to ``key``'s file in its tier's outgoing directory,
+        for a peer to adopt; None when the value is not worth sharing. The
+        caller deletes the link once the peer has it. Raises OSError when the
+        link cannot be made (EMLINK, ...)."""
         name = self.file_of(key)
         if name is None or name not in self.shareable:
             return None
@@ -236,18 +260,34 @@ class SharedSpillStore(SpillStore):
         r = self.retained.get(key)
         if r is not None:
             memory = r.memory
-        path = str(self.files.link_out(name, self.outgoing_directory))
-        return Handle(path, os.stat(path).st_size, memory, self.shareable[name])
+        path = self.tiers.link_out(name)
+        return Handle(path, os.stat(path).st_size, memory, self.shareable[name], file_stem(key))
 
-    def adopt(self, key: Key, handle: Handle) -> str:
-        """Link a peer's file in for ``key`` (not registered as spilled: the
-        caller either retains it or registers it). Returns the file name.
-        Raises ForgedHandleError or OSError."""
-        name, _ = self.files.adopt(
-            self.root, handle.path, handle.size, file_stem(key), handle.memory
-        )
+    def adopt(self, handle: Handle) -> str:
+        """Link a peer's file in (one validated hard link, into the tier
+        whose root holds it). It is not registered as any key's: the caller
+        retains it for a key or deletes it (:meth:`drop_file`). Returns the
+        file name. Raises ForgedHandleError or OSError."""
+        name, _ = self.tiers.adopt(handle.path, handle.size, handle.stem, handle.memory)
         self.shareable[name] = handle.shareable
         return name
+
+    def map_file(self, name: str) -> list[memoryview]:
+        """Frames of file ``name`` as views of a private mapping (for a file
+        just adopted). Raises OSError."""
+        return self.files.read_mapped(name)
+
+    def read_file(self, name: str) -> list[memoryview]:
+        """Frames of file ``name`` copied into private memory. Raises OSError."""
+        return self.files.read(name)
+
+    def drop_file(self, name: str) -> None:
+        """Delete a file that no key holds (an abandoned arrival)."""
+        self._forget_file(name)
+
+    def pin_file(self, name: str) -> None:
+        """Keep file ``name`` in its tier while a value maps it."""
+        self.tiers.pin(name)
 
     def __repr__(self) -> str:
         return (

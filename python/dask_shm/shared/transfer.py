@@ -1,45 +1,41 @@
-"""Hard-link handles on the wire, and the receiving side of a transfer.
+"""Hard-link handles on the wire, and which buffer receives them.
 
 A worker answering ``get_data`` for a peer on the same host replaces each
-value by a :class:`~dask_shm.shared.store.Handle` (see :mod:`dask_shm.shared.sender`). The handle
-serializes as a few fields and no frames. Deserializing it in the receiving
-process validates the file it names (:class:`~dask_shm._core.ForgedHandleError`
-if it fails: nothing is linked or mapped), links the file into this process's
-``incoming`` directory and maps it, so what the receiver's code sees is the
-real value, not a handle. The worker then stores the value in its
-:class:`~dask_shm.SpillBuffer`, which :func:`claim` s the incoming file and links
-it into its own directory, so that the value is accounted as shared.
+value by a :class:`~dask_shm.shared.store.Handle` (see
+:mod:`dask_shm.shared.sender`). The handle serializes as a few fields and no
+frames. Deserializing it in the receiving process hands it to the *receiving
+buffer*, :meth:`SharedSpillBuffer.receive
+<dask_shm.shared.buffer.SharedSpillBuffer.receive>`, which validates the file
+(:class:`~dask_shm._core.ForgedHandleError` if it fails: nothing is linked or
+mapped), hard-links it once into its own store and maps it, so what the
+receiver's code sees is the real value. The file belongs to that buffer from
+the moment it arrives (see ``receive`` for its release).
 
-If the file cannot be linked or mapped (link count limit, permissions, mapping
-limits), it is read by copy instead: the value arrives private, and the
-fallback is counted.
+The receiving buffer is the one of the worker whose fetch is running
+(:func:`receiving_into`, set around ``Worker.gather_dep`` by the plugin: a
+context variable, so it follows the fetch into offload threads and tells
+in-process workers apart), else the one given to :func:`enable_receiving`.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections import defaultdict
-from dataclasses import dataclass, field, replace
-from typing import Any
+import contextvars
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
-from distributed.metrics import context_meter
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-from dask_shm._core import FileStore, read_peer_file
-from dask_shm.shared import paths
 from dask_shm.shared.store import Handle
-from dask_shm.spill_store import frames_to_object
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from dask_shm.shared.buffer import SharedSpillBuffer
 
-#: A received value not stored into a buffer within this many seconds (the
-#: transfer was abandoned) lets go of its incoming file.
-UNCLAIMED_TTL = 60.0
-
-#: Process-wide counts of the receiving side (the sending side counts per buffer).
-receive_counters: defaultdict[str, int] = defaultdict(int)
+_receiver: contextvars.ContextVar[SharedSpillBuffer | None] = contextvars.ContextVar(
+    "dask_shm_receiving_buffer", default=None
+)
+_default: weakref.ref[SharedSpillBuffer] | None = None
 
 
 @dask_serialize.register(Handle)
@@ -49,6 +45,7 @@ def _serialize_handle(handle: Handle) -> tuple[dict[str, Any], list]:
         "size": handle.size,
         "memory": handle.memory,
         "shareable": handle.shareable,
+        "stem": handle.stem,
     }, []
 
 
@@ -60,119 +57,48 @@ def _deserialize_handle(header: dict[str, Any], frames: list) -> object:
             int(header["size"]),
             int(header["memory"]),
             int(header["shareable"]),
+            str(header.get("stem", "in")),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed shared-memory handle {header!r}") from e
     return receive(handle)
 
 
-@dataclass
-class Received:
-    """A value deserialized from a file now in the incoming directory."""
-
-    value: object
-    incoming: FileStore
-    name: str
-    handle: Handle
-    since: float = field(default_factory=time.monotonic)
-
-    def release(self) -> None:
-        """Delete the incoming link (the buffer has linked the file, or gave up)."""
-        self.incoming.delete(self.name)
+def enable_receiving(buffer: SharedSpillBuffer | None) -> None:
+    """Make ``buffer`` receive the handles deserialized outside any
+    :func:`receiving_into` block in this process (None: refuse them)."""
+    global _default
+    _default = None if buffer is None else weakref.ref(buffer)
 
 
-class _Incoming:
-    """This process's incoming directory and the values waiting to be claimed."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.root: str | None = None
-        self.store: FileStore | None = None
-        self.pending: dict[int, Received] = {}
-
-    def enable(self, root: str) -> None:
-        with self.lock:
-            if self.root != root:
-                self.store = FileStore(paths.subdir(root, "incoming"))
-                self.root = root
-
-    def add(self, received: Received) -> None:
-        with self.lock:
-            self.pending[id(received.value)] = received
-            expired = [
-                k for k, r in self.pending.items() if time.monotonic() - r.since > UNCLAIMED_TTL
-            ]
-            dropped = [self.pending.pop(k) for k in expired]
-        for r in dropped:
-            r.release()
-
-    def claim(self, value: object) -> Received | None:
-        with self.lock:
-            r = self.pending.get(id(value))
-            if r is None or r.value is not value:
-                return None
-            del self.pending[id(value)]
-            return r
+@contextmanager
+def receiving_into(buffer: SharedSpillBuffer) -> Iterator[None]:
+    """Handles deserialized in this context go to ``buffer``."""
+    token = _receiver.set(buffer)
+    try:
+        yield
+    finally:
+        _receiver.reset(token)
 
 
-_incoming = _Incoming()
-
-
-def enable_receiving(root: str) -> None:
-    """Accept handles in this process, validating them against ``root``."""
-    _incoming.enable(root)
-
-
-def claim(value: object) -> Received | None:
-    """The pending transfer whose deserialized value is ``value``, if any;
-    the caller must :meth:`Received.release` it."""
-    if not _incoming.pending:
-        return None
-    return _incoming.claim(value)
+def receiver() -> SharedSpillBuffer | None:
+    """The buffer that receives handles here and now, if any."""
+    buffer = _receiver.get()
+    if buffer is None and _default is not None:
+        buffer = _default()
+    return buffer
 
 
 def receive(handle: Handle) -> object:
-    """Turn a validated handle into the value it names (see module docstring).
+    """Turn a handle into the value it names, in the receiving buffer.
 
     Raises ForgedHandleError for a handle that fails validation, and
-    RuntimeError in a process that does not accept handles.
+    RuntimeError where no shared-memory buffer receives handles.
     """
-    root, incoming = _incoming.root, _incoming.store
-    if root is None or incoming is None:
+    buffer = receiver()
+    if buffer is None:
         raise RuntimeError(
             "received a shared-memory handle in a process where dask-shm's "
             "shared-memory mode is not enabled"
         )
-    try:
-        name, _ = incoming.adopt(root, handle.path, handle.size, "in", handle.memory)
-    except OSError as e:
-        # ForgedHandleError is a ValueError and propagates; this is a valid
-        # file we could not link: read it by copy instead.
-        receive_counters["fallback_transfers"] += 1
-        receive_counters["fallback_bytes"] += handle.size
-        context_meter.digest_metric("shm-receive-fallback", 1, "count")
-        logger.info("dask-shm: copying %s instead of linking it: %s", handle.path, e)
-        return frames_to_object(read_peer_file(root, handle.path, handle.size))
-    try:
-        frames = incoming.read_mapped(name)
-    except OSError as e:
-        # Out of mappings (vm.max_map_count) or similar: degrade to a copy.
-        logger.info("dask-shm: copying %s instead of mapping it: %s", handle.path, e)
-        try:
-            return frames_to_object(incoming.read(name))
-        finally:
-            incoming.delete(name)
-            receive_counters["fallback_transfers"] += 1
-            receive_counters["fallback_bytes"] += handle.size
-    try:
-        value = frames_to_object(frames)
-    except BaseException:
-        incoming.delete(name)
-        raise
-    receive_counters["linked_transfers"] += 1
-    receive_counters["linked_bytes"] += handle.size
-    context_meter.digest_metric("shm-receive-link", 1, "count")
-    context_meter.digest_metric("shm-receive-link", handle.size, "bytes")
-    shared = replace(handle, path=str(incoming.path(name)))
-    _incoming.add(Received(value, incoming, name, shared))
-    return value
+    return buffer.receive(handle)

@@ -9,8 +9,8 @@ ignores the entry), and vice versa.
 Per key, bytes are read from ``worker.data``:
 
 - a SpillBuffer (stock ``distributed.spill.SpillBuffer`` or ``dask_shm.SpillBuffer``):
-  ``data.fast.weights[key]`` is in memory, ``data._slow_uncached.weight_by_key[key]``
-  is the ``SpilledSize(memory, disk)`` of a spilled key;
+  ``data.fast.weights[key]`` is in memory, ``data.store.weight_by_key[key]``
+  (stock: ``data._slow_uncached``) is the ``SpilledSize(memory, disk)`` of a spilled key;
 - any other mapping: every key is in memory, sized by the worker's own measurement
   (``TaskState.nbytes``) or ``sizeof`` when there is none.
 
@@ -78,9 +78,11 @@ def _sources(worker: Worker) -> tuple[list[tuple[Key, int]], list[tuple[Key, Any
     worker.data (the second list is empty when data doesn't spill)."""
     data: Any = worker.data
     weights: Mapping[Key, int] | None = getattr(getattr(data, "fast", None), "weights", None)
-    spilled: Mapping[Key, Any] | None = getattr(
-        getattr(data, "_slow_uncached", None), "weight_by_key", None
-    )
+    # ``store``: dask-shm's buffers; ``_slow_uncached``: stock's SpillBuffer.
+    store = getattr(data, "store", None)
+    if store is None:
+        store = getattr(data, "_slow_uncached", None)
+    spilled: Mapping[Key, Any] | None = getattr(store, "weight_by_key", None)
     if weights is not None and spilled is not None:
         in_memory = list(weights.items())  # atomic for a dict
         on_disk = []

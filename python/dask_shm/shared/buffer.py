@@ -1,0 +1,374 @@
+"""SharedSpillBuffer: the spill buffer of shared-memory mode.
+
+Layers, one concern each (zict style):
+
+- :class:`SharedSpillBuffer` (this module): which values are in memory
+  (``fast``, private bytes against ``target``) and which are spilled; files
+  received from peers (*arrivals*) and the values they back;
+- :class:`~dask_shm.shared.store.SharedSpillStore`: serialized values in
+  files, retained while a mapped value is in memory, exported/adopted by hard link;
+- :class:`~dask_shm.shared.tiers.TieredFiles`: where each file lives, tier 2
+  (tmpfs, within a byte budget) or tier 3 (a real file system);
+- :class:`~dask_shm._core.FileStore` (Rust): one directory of files.
+
+The public error contract is :class:`dask_shm.SpillBuffer`'s. Settings are
+passed in (:meth:`SharedSpillBuffer.create`); only :meth:`from_config`, an
+edge for direct users, reads dask config.
+
+Adopting an existing file as the backing of a key (for code that builds
+values directly in shared files, e.g. a numpy allocator): write the file in
+the spill format anywhere under the root, then call :meth:`receive` with a
+:class:`~dask_shm.shared.store.Handle` naming it (``stem`` =
+``spill_store.file_stem(key)``) and store the returned value under the key
+(``buffer[key] = value``): the file is hard-linked once, validated, mapped,
+and owned by the buffer from then on; the caller may delete its own link.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import zict
+from dask.typing import Key
+from distributed.metrics import context_meter
+from distributed.sizeof import safe_sizeof
+
+from dask_shm._core import ForgedHandleError, read_peer_file
+from dask_shm.shared import limits, paths
+from dask_shm.shared.store import Handle, SharedSpillStore
+from dask_shm.spill import SpillBuffer
+from dask_shm.spill_store import MaxSpillExceeded, PickleError, file_stem, frames_to_object
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Arrival:
+    """A file received from a peer, backing a value not yet stored under a key."""
+
+    name: str
+    value: weakref.ref[Any]
+    finalizer: weakref.finalize
+    size: int
+
+
+def _abandoned(buffer_ref: weakref.ref[SharedSpillBuffer], stem: str, name: str) -> None:
+    """The value of an arrival died before it was stored (fetch cancelled or
+    failed): delete its file now."""
+    buffer = buffer_ref()
+    if buffer is not None:
+        buffer._drop_arrival(stem, name)
+
+
+class SharedSpillBuffer(SpillBuffer):
+    """Spill buffer of shared-memory mode; same contract as
+    :class:`dask_shm.SpillBuffer` plus:
+
+    - a value worth sharing (numpy, pyarrow, non-object pandas) is unspilled
+      through a mapping of its file and costs only its private bytes
+      (``sizeof`` minus what lives in the mapping) against ``target``; its
+      file is kept while it is in memory, so evicting it writes nothing;
+    - spilled files go to the tmpfs (tier 2) within the store's budget, the
+      rest to a real file system (tier 3), see :mod:`dask_shm.shared.tiers`;
+    - :meth:`export` hands a key's file to a same-host peer; :meth:`receive`
+      takes a peer's file in (one validated hard link, owned by this buffer
+      from then on: released when the value is dropped unstored, or on close).
+
+    Build one with :meth:`create` (settings as arguments) or
+    :meth:`from_config` (reads ``shm.shared-memory.*``).
+    """
+
+    #: Shared-memory mode (for code that tells the two buffers apart).
+    shared = True
+
+    def __init__(self, store: SharedSpillStore, target: int):
+        self._init_state(store.cumulative_metrics)
+        #: transfers by hard link and their fallbacks
+        self.shm_counters: defaultdict[str, int] = defaultdict(int)
+        self._arrivals: dict[str, list[_Arrival]] = {}
+        self._closed = False
+        # The shared store keeps its own weak cache of private values;
+        # mapped values need none (the kernel shares their pages).
+        zict.Buffer.__init__(self, fast={}, slow=store, n=target, weight=self._weight)
+
+    # -- construction ------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        target: int,
+        *,
+        root: str,
+        disk_root: str,
+        budget: int,
+        min_size: int,
+        min_shared_fraction: float,
+        max_spill: int | Literal[False] = False,
+        name: str | None = None,
+    ) -> SharedSpillBuffer:
+        """A buffer whose files live in ``<root>/dask-shm-<uid>/<process>/<name>``
+        (tier 2, at most ``budget`` bytes) and the same path under
+        ``disk_root`` (tier 3). Raises :class:`~dask_shm.shared.paths.UnusableRoot`
+        if ``root`` is not a usable tmpfs, OSError if a directory cannot be made."""
+        paths.check_root(root)
+        name = name or f"buffer-{uuid.uuid4().hex[:12]}"
+        store = SharedSpillStore(
+            paths.subdir(root, name),
+            paths.subdir(disk_root, name),
+            max_spill,
+            root=root,
+            disk_root=disk_root,
+            budget=budget,
+            outgoing=(paths.subdir(root, "outgoing"), paths.subdir(disk_root, "outgoing")),
+            min_size=min_size,
+            min_shared_fraction=min_shared_fraction,
+            metrics=defaultdict(float),
+        )
+        return cls(store, target)
+
+    @classmethod
+    def from_config(
+        cls,
+        target: int,
+        max_spill: int | Literal[False] = False,
+        *,
+        memory_limit: int | None = None,
+        name: str | None = None,
+    ) -> SharedSpillBuffer:
+        """:meth:`create` with ``shm.shared-memory.*`` settings (the budget
+        from ``max-bytes`` and ``memory_limit``). Raises ValueError for an
+        invalid setting, UnusableRoot for an unusable root."""
+        from dask_shm.config import SharedMemorySettings
+
+        settings = SharedMemorySettings.from_config()
+        budget = limits.tier2_budget(settings.max_bytes, settings.root, memory_limit)
+        return cls.create(
+            target,
+            root=settings.root,
+            disk_root=settings.disk_root,
+            budget=budget.limit,
+            min_size=settings.min_size,
+            min_shared_fraction=settings.min_shared_fraction,
+            max_spill=max_spill,
+            name=name,
+        )
+
+    # -- public face -------------------------------------------------------------
+
+    @property
+    def store(self) -> SharedSpillStore:
+        """The store of this buffer's files (spilled and retained); its
+        ``tiers`` tell where each file lives."""
+        return cast(SharedSpillStore, self.slow)
+
+    def tier2_bytes(self) -> int:
+        """Bytes of this buffer's tmpfs files that count for this worker (1/k
+        of a file with k links), mapped or not: what it adds to the worker's
+        memory beyond its private pages."""
+        return self.store.tiers.tier2_bytes()
+
+    def shared_bytes(self, key: Key) -> int:
+        """Bytes of ``key``'s shared file that count for this worker (1/k of
+        the file for k hard links); 0 for a private key. Read by the span
+        extension to report per-span shared memory."""
+        store = self.store
+        name = store.file_of(key)
+        if name is None or name not in store.shareable:
+            return 0
+        return store.files.sizes(name)[1]
+
+    def close(self) -> None:
+        """Release every arrival not yet stored (their files are deleted)."""
+        with self._operation_lock:
+            self._closed = True
+            arrivals = [a for lst in self._arrivals.values() for a in lst]
+            self._arrivals.clear()
+            for a in arrivals:
+                a.finalizer.detach()
+                self.store.drop_file(a.name)
+        super().close()
+
+    # -- weights, insertion, removal --------------------------------------------
+
+    def _weight(self, key: Key, value: object) -> int:
+        private = self.store.private_weight(key, value)
+        return safe_sizeof(value) if private is None else private
+
+    def _insert(self, key: Key, value: object) -> None:
+        store = self.store
+        arrival = self._claim(key, value)
+        with self.lock:
+            r = store.retained.get(key)
+            if r is not None and r.value_id != id(value):
+                store.discard_retained(key)
+            if arrival is not None:
+                store.retain(key, value, arrival.name)
+                store.tiers.unpin(arrival.name)  # the arrival's pin is now the retention's
+                self.shm_counters["received_links"] += 1
+                self.shm_counters["received_bytes"] += arrival.size
+        zict.Buffer.__setitem__(self, key, value)
+
+    def __delitem__(self, key: Key) -> None:
+        with self._operation_lock:
+            super().__delitem__(key)
+            self.store.discard_retained(key)
+
+    def slow_to_fast(self, key: Key) -> object:
+        store = self.store
+        self._cancel_restore[key] = False
+        try:
+            with self.unlock():
+                value, backed = store.load(key)
+            if self._cancel_restore[key]:
+                raise KeyError(key)
+        finally:
+            del self._cancel_restore[key]
+        if backed:
+            # The file stays, backing the value; only its private bytes count.
+            store.retain(key, value)
+            self.fast.set_noevict(key, value)
+        elif self.weight(key, value) <= self.n:
+            self.fast.set_noevict(key, value)
+            del self.slow[key]
+        with self.unlock():
+            self.fast.evict_until_below_target()
+            for cb in self.slow_to_fast_callbacks:
+                cb(key, value)
+        return value
+
+    def fast_to_slow(self, key: Key, value: object) -> None:
+        if self.store.release(key, value):
+            return  # its file is still there: nothing to write
+        super().fast_to_slow(key, value)
+
+    # -- same-host transfers -----------------------------------------------------
+
+    def export(self, key: Key) -> Handle | None:
+        """Make sure ``key`` is in a file and return a handle for a peer on
+        this host (a fresh hard link the caller deletes once the peer has
+        linked it). A value held privately in memory is written out and
+        leaves memory (its next use maps the file). Returns None when the
+        key is absent, the value is not worth sharing, or writing/linking
+        fails (the caller then sends bytes)."""
+        with self._operation_lock:
+            store = self.store
+            with self.lock:
+                try:
+                    if store.file_of(key) is None:
+                        if key not in self.fast:
+                            return None
+                        value = self.fast.d[key]
+                        store[key] = value
+                        del self.fast[key]
+                    return store.export(key)
+                except (MaxSpillExceeded, PickleError, OSError) as e:
+                    logger.info("dask-shm: cannot hand %r over by hard link: %s", key, e)
+                    return None
+
+    def receive(self, handle: Handle) -> object:
+        """The value a peer's handle names, backed by one validated hard link
+        of its file in this buffer (tier of the file's root). Until the value
+        is stored here under the key of ``handle.stem`` the file is an
+        *arrival*: deleted as soon as the value is garbage (fetch cancelled
+        or failed) or the buffer closes. A valid file that cannot be linked
+        or mapped is read by copy (the value is then private).
+
+        Raises ForgedHandleError for a handle that fails validation (nothing
+        linked or mapped), RuntimeError once the buffer is closed.
+        """
+        with self._operation_lock:
+            if self._closed:
+                raise RuntimeError("received a shared-memory handle for a closed buffer")
+            store = self.store
+            try:
+                name = store.adopt(handle)
+            except ForgedHandleError:
+                raise
+            except OSError as e:
+                return self._copy_in(handle, e)
+            try:
+                frames = store.map_file(name)
+            except OSError as e:
+                # Out of mappings (vm.max_map_count) or similar: degrade to a copy.
+                try:
+                    return frames_to_object(store.read_file(name))
+                finally:
+                    store.drop_file(name)
+                    self._count_fallback(handle, e)
+            try:
+                value = frames_to_object(frames)
+                finalizer = weakref.finalize(
+                    value, _abandoned, weakref.ref(self), handle.stem, name
+                )
+                ref = weakref.ref(value)
+            except TypeError:
+                # Not weak-referenceable: it cannot be told apart when stored,
+                # so it stays a private value over its mapping (the mapping keeps
+                # the pages alive; the link goes now).
+                store.drop_file(name)
+                return value
+            except BaseException:
+                store.drop_file(name)
+                raise
+            store.pin_file(name)
+            self._arrivals.setdefault(handle.stem, []).append(
+                _Arrival(name, ref, finalizer, handle.size)
+            )
+        context_meter.digest_metric("shm-receive-link", 1, "count")
+        context_meter.digest_metric("shm-receive-link", handle.size, "bytes")
+        return value
+
+    def _copy_in(self, handle: Handle, e: OSError) -> object:
+        root = next(
+            (r for r in self.store.tiers.roots if handle.path.startswith(r.rstrip("/") + "/")),
+            self.store.root,
+        )
+        self._count_fallback(handle, e)
+        return frames_to_object(read_peer_file(root, handle.path, handle.size))
+
+    def _count_fallback(self, handle: Handle, e: OSError) -> None:
+        logger.info("dask-shm: copying %s instead of linking it: %s", handle.path, e)
+        self.shm_counters["receive_fallback_transfers"] += 1
+        self.shm_counters["receive_fallback_bytes"] += handle.size
+        context_meter.digest_metric("shm-receive-fallback", 1, "count")
+
+    def _claim(self, key: Key, value: object) -> _Arrival | None:
+        """The arrival backing ``value`` if it came for ``key``; it is no
+        longer an arrival afterwards (the caller retains its file)."""
+        if not self._arrivals:
+            return None
+        stem = file_stem(key)
+        waiting = self._arrivals.get(stem)
+        if not waiting:
+            return None
+        for i, a in enumerate(waiting):
+            if a.value() is value:
+                a.finalizer.detach()
+                del waiting[i]
+                if not waiting:
+                    del self._arrivals[stem]
+                return a
+        return None
+
+    def _drop_arrival(self, stem: str, name: str) -> None:
+        with self._operation_lock:
+            waiting = self._arrivals.get(stem, [])
+            for i, a in enumerate(waiting):
+                if a.name == name:
+                    del waiting[i]
+                    break
+            else:
+                return
+            if not waiting:
+                self._arrivals.pop(stem, None)
+            self.store.drop_file(name)
+            self.shm_counters["abandoned_arrivals"] += 1
+
+    def pending_arrivals(self) -> int:
+        """Files received but whose value is not (yet) stored under a key."""
+        return sum(len(v) for v in self._arrivals.values())

@@ -1,0 +1,412 @@
+//! Tier 2 -> tier 3 of a shared-memory spill buffer: moving a file from the
+//! tmpfs store to a store on a real file system (`move_entry`), and the
+//! tier-2 byte budget that decides which files move (`TierBudget`).
+//!
+//! The move copies in the kernel (`copy_file_range`, else `sendfile`, else
+//! read/write), publishes the copy whole under the destination's naming
+//! rules, accounts it there with the same memory size, and only then removes
+//! the source entry: a failure at any step leaves the source untouched.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::unix::io::AsRawFd;
+
+use crate::store::{FileStore, StoreError};
+
+/// Copy `len` bytes of `src` (from offset 0) to `dst` (at its current offset 0,
+/// freshly created). Uses `copy_file_range`, falling back to `sendfile` and
+/// then to a plain read/write loop when the kernel refuses (EXDEV across
+/// file system types, ENOSYS, EINVAL, EOPNOTSUPP).
+pub fn copy_file(src: &File, dst: &mut File, len: u64) -> io::Result<()> {
+    let mut done = 0u64;
+    let mut method = 0; // 0 copy_file_range, 1 sendfile, 2 read/write
+    while done < len {
+        let chunk = ((len - done).min(1 << 30)) as usize;
+        let n = match method {
+            0 => {
+                let mut off_in = done as libc::loff_t;
+                let mut off_out = done as libc::loff_t;
+                // SAFETY: both descriptors are open; offsets are valid pointers.
+                unsafe {
+                    libc::copy_file_range(
+                        src.as_raw_fd(),
+                        &mut off_in,
+                        dst.as_raw_fd(),
+                        &mut off_out,
+                        chunk,
+                        0,
+                    )
+                }
+            }
+            1 => {
+                let mut off_in = done as libc::off_t;
+                // sendfile writes at the output's file offset.
+                // SAFETY: both descriptors are open; offset is a valid pointer.
+                unsafe { libc::sendfile(dst.as_raw_fd(), src.as_raw_fd(), &mut off_in, chunk) }
+            }
+            _ => {
+                copy_read_write(src, dst, done, len)?;
+                return Ok(());
+            }
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EXDEV | libc::ENOSYS | libc::EINVAL | libc::EOPNOTSUPP)
+                    if method < 2 =>
+                {
+                    method += 1;
+                    if method == 1 {
+                        // sendfile appends at the output offset: position it.
+                        use std::io::Seek;
+                        dst.seek(io::SeekFrom::Start(done))?;
+                    }
+                    continue;
+                }
+                _ => return Err(e),
+            }
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("source ended after {done} of {len} bytes"),
+            ));
+        }
+        done += n as u64;
+    }
+    Ok(())
+}
+
+fn copy_read_write(src: &File, dst: &mut File, from: u64, len: u64) -> io::Result<()> {
+    use std::io::Seek;
+    let mut src = src.try_clone()?;
+    src.seek(io::SeekFrom::Start(from))?;
+    dst.seek(io::SeekFrom::Start(from))?;
+    let mut left = len - from;
+    let mut buf = vec![0u8; 1 << 20];
+    while left > 0 {
+        let want = (left as usize).min(buf.len());
+        let n = src.read(&mut buf[..want])?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source ended"));
+        }
+        dst.write_all(&buf[..n])?;
+        left -= n as u64;
+    }
+    Ok(())
+}
+
+/// Move entry `name` of `src` into `dst`: copy its file, account it in `dst`
+/// with the same memory size, then remove it from `src`. Returns the entry's
+/// name in `dst` and its bytes on disk. Errors (unknown name, ENOSPC, ...)
+/// leave `src` unchanged and nothing in `dst`.
+pub fn move_entry(
+    src: &FileStore,
+    name: &str,
+    dst: &FileStore,
+) -> Result<(String, u64), StoreError> {
+    let memory = src
+        .sizes(name)
+        .ok_or_else(|| StoreError::Missing(name.to_owned()))?
+        .memory;
+    let stem = name.rsplit_once('#').map_or(name, |(stem, _)| stem);
+    let moved = {
+        let reader = src.open_entry(name)?;
+        dst.put_copy(stem, &reader.file, reader.size, memory)?
+    };
+    src.remove(name)?;
+    Ok(moved)
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    size: u64,
+    last_use: u64,
+    pins: u32,
+}
+
+/// What to do before writing `incoming` bytes to tier 2.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Least recently used unpinned entries to move to tier 3, oldest first.
+    pub victims: Vec<String>,
+    /// Whether the new file fits in tier 2 once the victims are gone; when
+    /// false the victims only bring tier 2 back within its budget.
+    pub fits: bool,
+}
+
+/// Byte budget of tier 2 with least-recently-used order. Pinned entries
+/// (files mapped by values in memory) are never chosen to move. Pure
+/// bookkeeping: the caller moves the files and reports back with `remove`.
+#[derive(Debug, Default)]
+pub struct TierBudget {
+    limit: u64,
+    used: u64,
+    clock: u64,
+    entries: HashMap<String, Entry>,
+}
+
+impl TierBudget {
+    pub fn new(limit: u64) -> Self {
+        TierBudget {
+            limit,
+            ..Default::default()
+        }
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    pub fn set_limit(&mut self, limit: u64) {
+        self.limit = limit;
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Account a new tier-2 entry (replacing one of the same name).
+    pub fn add(&mut self, name: &str, size: u64) {
+        self.remove(name);
+        let last_use = self.tick();
+        self.entries.insert(
+            name.to_owned(),
+            Entry {
+                size,
+                last_use,
+                pins: 0,
+            },
+        );
+        self.used += size;
+    }
+
+    /// Forget an entry (deleted or moved); false if unknown.
+    pub fn remove(&mut self, name: &str) -> bool {
+        match self.entries.remove(name) {
+            Some(e) => {
+                self.used -= e.size;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Mark an entry as just used.
+    pub fn touch(&mut self, name: &str) {
+        let now = self.tick();
+        if let Some(e) = self.entries.get_mut(name) {
+            e.last_use = now;
+        }
+    }
+
+    /// A value maps the entry's file: it must not move. Pins nest.
+    pub fn pin(&mut self, name: &str) {
+        let now = self.tick();
+        if let Some(e) = self.entries.get_mut(name) {
+            e.pins += 1;
+            e.last_use = now;
+        }
+    }
+
+    pub fn unpin(&mut self, name: &str) {
+        if let Some(e) = self.entries.get_mut(name) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+    }
+
+    pub fn is_pinned(&self, name: &str) -> bool {
+        self.entries.get(name).is_some_and(|e| e.pins > 0)
+    }
+
+    /// Which entries to move so that `incoming` more bytes fit.
+    pub fn plan(&self, incoming: u64) -> Plan {
+        let over = |extra: u64| (self.used + extra).saturating_sub(self.limit);
+        let mut movable: Vec<(&String, &Entry)> =
+            self.entries.iter().filter(|(_, e)| e.pins == 0).collect();
+        movable.sort_by_key(|(name, e)| (e.last_use, name.as_str()));
+        let freeable: u64 = movable.iter().map(|(_, e)| e.size).sum();
+        let fits = incoming <= self.limit && over(incoming) <= freeable;
+        let need = if fits { over(incoming) } else { over(0) };
+        let mut victims = Vec::new();
+        let mut freed = 0;
+        for (name, e) in movable {
+            if freed >= need {
+                break;
+            }
+            freed += e.size;
+            victims.push(name.clone());
+        }
+        Plan { victims, fits }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::PutOutcome;
+
+    fn put(store: &FileStore, stem: &str, bytes: &[u8]) -> String {
+        match store.put(stem, &[bytes], 7, None).unwrap() {
+            PutOutcome::Stored { name, .. } => name,
+            PutOutcome::OverCapacity => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn move_entry_copies_accounts_and_removes_the_source() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let src = FileStore::open(a.path().join("s")).unwrap();
+        let dst = FileStore::open(b.path().join("d")).unwrap();
+        let payload: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7) as u8).collect();
+        let name = put(&src, "key", &payload);
+        let before = src.sizes(&name).unwrap();
+        let (moved, disk) = move_entry(&src, &name, &dst).unwrap();
+        assert!(moved.starts_with("key#"));
+        assert_eq!(disk, before.disk);
+        assert!(src.sizes(&name).is_none());
+        assert!(!src.path_of(&name).exists());
+        assert_eq!(src.total().disk, 0);
+        assert_eq!(dst.sizes(&moved).unwrap().memory, 7);
+        assert_eq!(dst.total().disk, disk);
+        let (map, layout) = dst.map(&moved).unwrap();
+        let (off, len) = layout.frames[0];
+        assert_eq!(&map[off as usize..(off + len) as usize], &payload[..]);
+        // Permissions of the copy follow the store's rules.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dst.path_of(&moved))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[test]
+    fn move_of_an_unknown_or_vanished_entry_changes_nothing() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let src = FileStore::open(a.path().join("s")).unwrap();
+        let dst = FileStore::open(b.path().join("d")).unwrap();
+        assert!(move_entry(&src, "nope#1", &dst).is_err());
+        let name = put(&src, "k", b"abc");
+        std::fs::remove_file(src.path_of(&name)).unwrap();
+        assert!(move_entry(&src, &name, &dst).is_err());
+        assert!(src.sizes(&name).is_some(), "source entry kept on failure");
+        assert!(dst.is_empty());
+        assert_eq!(std::fs::read_dir(dst.directory()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn copy_file_falls_back_across_file_systems() {
+        // /dev/shm (tmpfs) -> a temp dir (usually another file system): the
+        // copy must work whichever primitive the kernel accepts.
+        let shm = std::path::Path::new("/dev/shm");
+        if !shm.is_dir() {
+            return;
+        }
+        let a = tempfile::tempdir_in(shm).unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..5_000_001u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(a.path().join("f"), &data).unwrap();
+        let src = File::open(a.path().join("f")).unwrap();
+        let mut dst = File::create(b.path().join("g")).unwrap();
+        copy_file(&src, &mut dst, data.len() as u64).unwrap();
+        drop(dst);
+        assert_eq!(std::fs::read(b.path().join("g")).unwrap(), data);
+    }
+
+    #[test]
+    fn budget_moves_least_recently_used_unpinned_files() {
+        let mut b = TierBudget::new(100);
+        b.add("a", 40);
+        b.add("b", 40);
+        b.add("c", 20);
+        assert_eq!(b.used(), 100);
+        b.touch("a"); // order now b, c, a
+        let plan = b.plan(30);
+        assert_eq!(
+            plan,
+            Plan {
+                victims: vec!["b".into()],
+                fits: true
+            }
+        );
+        b.pin("b");
+        let plan = b.plan(30);
+        assert_eq!(
+            plan,
+            Plan {
+                victims: vec!["c".into(), "a".into()],
+                fits: true
+            }
+        );
+        assert!(b.plan(0).victims.is_empty(), "within budget: nothing moves");
+    }
+
+    #[test]
+    fn budget_refuses_what_cannot_fit_and_restores_the_limit() {
+        let mut b = TierBudget::new(100);
+        b.add("a", 60);
+        b.add("b", 60); // over budget by 20
+        b.pin("b");
+        // Larger than the whole budget: goes to tier 3; tier 2 trimmed to its limit.
+        assert_eq!(
+            b.plan(101),
+            Plan {
+                victims: vec!["a".into()],
+                fits: false
+            }
+        );
+        // Pinned files cannot make room: does not fit.
+        b.pin("a");
+        assert_eq!(
+            b.plan(10),
+            Plan {
+                victims: vec![],
+                fits: false
+            }
+        );
+        b.unpin("a");
+        b.unpin("b");
+        b.unpin("b"); // extra unpins are harmless
+        assert!(!b.is_pinned("b"));
+        assert!(b.remove("a"));
+        assert!(!b.remove("a"));
+        assert_eq!(b.used(), 60);
+        b.set_limit(50);
+        assert_eq!(
+            b.plan(0),
+            Plan {
+                victims: vec!["b".into()],
+                fits: true
+            }
+        );
+    }
+
+    #[test]
+    fn zero_budget_sends_everything_to_tier_three() {
+        let b = TierBudget::new(0);
+        assert_eq!(
+            b.plan(1),
+            Plan {
+                victims: vec![],
+                fits: false
+            }
+        );
+        assert!(b.plan(0).fits);
+    }
+}
