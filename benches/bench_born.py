@@ -121,7 +121,7 @@ def test_numpy_fresh(benchmark: Any, impl: str, arena_dir: str) -> None:
 
 @pytest.mark.parametrize("impl", ["stock", "ours-born", "ours-born-huge"])
 def test_spill(benchmark: Any, impl: str, arena_dir: str) -> None:
-    from dask_shm import SpillBuffer
+    from dask_shm.shared.buffer import SharedSpillBuffer
 
     benchmark.group = f"spill one {ARRAY // MiB} MiB array"
     root = os.path.dirname(arena_dir)
@@ -134,9 +134,16 @@ def test_spill(benchmark: Any, impl: str, arena_dir: str) -> None:
             buffers.append((buffer, directory))
             buffer["x"] = np.random.default_rng(0).random(ARRAY // 8)
         else:
-            with dask.config.set({"shm.shared-memory.root": root}):
-                buffer = SpillBuffer(None, 4 * GiB, shared=True)
-            buffers.append((buffer, None))
+            disk = tempfile.mkdtemp(prefix="dask-shm-bench-disk-")
+            buffer = SharedSpillBuffer.create(
+                4 * GiB,
+                root=root,
+                disk_root=disk,
+                budget=4 * GiB,
+                min_size=64 * 1024,
+                min_shared_fraction=0.5,
+            )
+            buffers.append((buffer, disk))
             with born.allocating():
                 value = np.random.default_rng(0).random(ARRAY // 8)
             assert born.whole_block(value) is not None

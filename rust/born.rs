@@ -92,7 +92,8 @@ pub struct Stats {
 struct State {
     directory: Option<PathBuf>,
     blocks: BTreeMap<usize, Block>,
-    /// Mapped bytes of all blocks plus reservations in progress.
+    /// Mapped bytes of the blocks whose file is still ours, plus
+    /// reservations in progress: what the byte budget limits.
     bytes: usize,
     /// Blocks plus reservations in progress.
     count: usize,
@@ -105,7 +106,8 @@ pub struct Settings {
     pub directory: Option<PathBuf>,
     /// Smallest allocation served from a file, in bytes.
     pub threshold: usize,
-    /// Most mapped bytes at any time; beyond, allocations use ordinary memory.
+    /// Most bytes in blocks whose file is still the arena's (not disowned);
+    /// beyond, allocations use ordinary memory.
     pub budget: usize,
     /// Most blocks (mappings) at any time.
     pub max_blocks: usize,
@@ -378,7 +380,9 @@ impl Arena {
             let Some(block) = st.blocks.remove(&addr) else {
                 return false;
             };
-            st.bytes -= block.map_len;
+            if block.owned {
+                st.bytes -= block.map_len;
+            }
             st.count -= 1;
             self.live.fetch_sub(1, Ordering::Release);
             block
@@ -496,9 +500,14 @@ impl Arena {
         };
         if block.owned {
             unlink(&block.path);
+            let freed = block.map_len;
+            block.path = new_path.to_path_buf();
+            block.owned = false;
+            // Its bytes are the new holder's to account (and budget) now.
+            st.bytes -= freed;
+        } else {
+            block.path = new_path.to_path_buf();
         }
-        block.path = new_path.to_path_buf();
-        block.owned = false;
         Ok(())
     }
 
@@ -797,6 +806,7 @@ mod tests {
         fs::hard_link(&path, &store).unwrap();
         assert_eq!(a.stats().owned_bytes, page);
         a.disown(addr, &store).unwrap();
+        assert_eq!(lock(&a.state).bytes, 0); // no longer counts against the budget
         assert!(!path.exists());
         let info = a.lookup(addr).unwrap();
         assert_eq!((info.path.as_path(), info.owned), (store.as_path(), false));

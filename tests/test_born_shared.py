@@ -347,17 +347,20 @@ async def test_worker_tasks_allocate_born_shared(c, s, a) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _store(shm_dir: str, max_weight: int | bool = False):
-    from dask_shm.shared.store import SharedSpillStore
+def _store(shm_dir: str, max_weight: int | bool = False, budget: int = 1 << 30):
+    from dask_shm.shared.buffer import SharedSpillBuffer
 
-    return SharedSpillStore(
-        os.path.join(shm_dir, "store"),
-        max_weight,  # type: ignore[arg-type]
+    disk_root = tempfile.mkdtemp(prefix="dask-shm-born-disk-")
+    buffer = SharedSpillBuffer.create(
+        1 << 40,
         root=shm_dir,
-        outgoing_directory=shm_dir,
+        disk_root=disk_root,
+        budget=budget,
         min_size=64 * 1024,
         min_shared_fraction=0.5,
+        max_spill=max_weight,  # type: ignore[arg-type]
     )
+    return buffer.store
 
 
 def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str) -> None:
@@ -401,9 +404,43 @@ def test_adopt_into_respects_max_spill(arena: str, shm_dir: str) -> None:
     assert not born.whole_block(a).sealed  # untouched
 
 
+def test_adopt_into_respects_the_tier2_budget(arena: str, shm_dir: str) -> None:
+    store = _store(shm_dir, budget=MiB)
+    with born.allocating():
+        a = np.ones(MiB // 4)  # 2 MiB: more than tier 2 may hold
+    assert born.adopt_into(store, "x", a) is None
+    assert not born.whole_block(a).sealed
+    store["x"] = a  # the ordinary write, which goes to tier 3
+    assert store.tiers.tier_of(store.file_of("x")) == 3
+    np.testing.assert_array_equal(store["x"], a)
+
+
+def test_arena_budget_follows_what_tier2_leaves(shm_dir: str) -> None:
+    store = _store(shm_dir, budget=5 * MiB)
+    directory = os.path.join(shm_dir, "born")
+    os.mkdir(directory, 0o700)
+    born.start(directory, budget=5 * MiB)
+    try:
+        with born.allocating():
+            a = np.ones(MiB // 2)  # 4 MiB
+        name = born.adopt_into(store, "a", a)
+        assert name is not None
+        store._register("a", name)
+        # Disowned blocks no longer count against the arena's own budget...
+        assert born.stats()["owned_bytes"] == 0
+        # ...but they fill tier 2, which is what a worker's budget function reads.
+        tier2 = store.tiers.budget
+        born.start(directory, budget=max(0, 5 * MiB - tier2.used))
+        with born.allocating():
+            b = np.ones(MiB // 2)
+        assert born.block_of(b) is None
+    finally:
+        born.stop()
+
+
 def _born_report(dask_worker: Any, key: str) -> dict[str, Any]:
     """Where ``key``'s value and file are on this worker."""
-    store = dask_worker.data._slow_uncached
+    store = dask_worker.data.store
     name = store.file_of(key)
     path = None if name is None else store.files.path(name)
     return {

@@ -31,7 +31,7 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -332,6 +332,8 @@ def adopt_into(store: SharedSpillStore, key: Key, value: object) -> str | None:
     is not a whole born-shared numpy array whose serialized payload is the
     block itself (the caller writes a file the ordinary way).
 
+    Also None when tier 2 has no room for the file even after moving
+    unmapped files to tier 3 (the ordinary write then goes to tier 3).
     Raises MaxSpillExceeded when the file would take the store past its
     ``max_weight``; OSError or ForgedHandleError if linking fails (the block
     is then sealed but still the arena's, and the value is unchanged)."""
@@ -348,10 +350,12 @@ def adopt_into(store: SharedSpillStore, key: Key, value: object) -> str | None:
     size = _core.born_header_size() + block.length
     if store.max_weight is not False and store.files.total()[1] + size > store.max_weight:
         raise MaxSpillExceeded(key)
+    if not store.tiers.enforce(size):
+        return None  # no room in tier 2 even after moving files out: a tier-3 write
     path = seal(value, header)
     if path is None:
         return None
-    name, _ = store.files.adopt(store.root, path, size, file_stem(key), safe_sizeof(value))
+    name, _ = store.tiers.adopt(path, size, file_stem(key), safe_sizeof(value))
     disown(value, store.files.path(name))
     store.shareable[name] = block.length
     return name
@@ -364,16 +368,28 @@ def adopt_into(store: SharedSpillStore, key: Key, value: object) -> str | None:
 _installed: set[int] = set()
 
 
-def install_on_worker(worker: Worker, directory: str, *, threshold: int, budget: int) -> None:
+def install_on_worker(
+    worker: Worker,
+    directory: str,
+    *,
+    threshold: int,
+    budget: int,
+    budget_fn: Callable[[], int] | None = None,
+) -> None:
     """Start the arena in ``directory`` and run every task of ``worker``
     inside :func:`allocating` (its ``execute`` coroutine is wrapped; the
-    task's thread inherits the context). Undo with :func:`uninstall_from_worker`."""
+    task's thread inherits the context). ``budget_fn``, if given, is asked
+    for the arena's byte budget before each task (e.g. what the tier-2
+    budget leaves). Undo with :func:`uninstall_from_worker`."""
     start(directory, threshold=threshold, budget=budget)
     if id(worker) in _installed:
         return
     original = worker.execute
+    max_blocks = _max_map_count() // 4
 
     async def execute(key: Any, *, stimulus_id: str) -> Any:
+        if budget_fn is not None:
+            _core.born_configure(directory, threshold, budget_fn(), max_blocks)
         with allocating():
             return await original(key, stimulus_id=stimulus_id)
 
@@ -416,12 +432,14 @@ class BornSharedPlugin(WorkerPlugin):
         self.settings = settings
 
     def setup(self, worker: Worker) -> None:
+        from dask_shm.shared.buffer import SharedSpillBuffer
+
         settings = self.settings or BornSettings.from_config()
-        store = getattr(worker.data, "slow", None)
-        root = getattr(store, "root", None)
-        if not getattr(worker.data, "shared", False) or root is None:
+        buffer = worker.data
+        if not isinstance(buffer, SharedSpillBuffer):
             logger.info("dask-shm: arrays born shared need shared-memory mode; off")
             return
+        root = buffer.store.root
         if not settings.enabled_for(root):
             logger.info(
                 "dask-shm: arrays born shared stay off: %s serves no huge pages, and "
@@ -433,7 +451,15 @@ class BornSharedPlugin(WorkerPlugin):
             return
         self._directory = paths.subdir(root, f"born-{uuid.uuid4().hex[:12]}")
         budget = settings.budget_for(root, worker.memory_manager.memory_limit)
-        install_on_worker(worker, self._directory, threshold=settings.threshold, budget=budget)
+        tier2 = buffer.store.tiers.budget
+
+        def room() -> int:
+            # Blocks and tier-2 files share the tier-2 budget.
+            return max(0, min(budget, tier2.limit - tier2.used))
+
+        install_on_worker(
+            worker, self._directory, threshold=settings.threshold, budget=room(), budget_fn=room
+        )
         self._monitor = worker.monitor.get_process_memory
 
         def process_memory() -> int:
