@@ -487,3 +487,28 @@ def test_cluster_hands_a_born_array_over_without_copying_it() -> None:
         assert reports[a]["stats"]["owned_bytes"] == 0
         assert reports[a]["handler"] == "default_allocator"  # outside tasks: untouched
         client.cancel([x, total])
+
+
+def test_shared_memory_plugin_turns_it_on_from_config() -> None:
+    from distributed import Client, LocalCluster
+
+    from dask_shm import SharedMemoryPlugin
+
+    def probe() -> tuple[str, bool]:
+        x = np.ones(MiB // 4)
+        return handler_name(), born.block_of(x) is not None
+
+    for setting, expected in [(True, ("dask_shm_born_shared", True)), (False, None)]:
+        with (
+            dask.config.set({"shm.shared-memory.born-shared": setting}),
+            LocalCluster(
+                n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0"
+            ) as cluster,
+            Client(cluster) as client,
+        ):
+            client.register_plugin(SharedMemoryPlugin())
+            got = client.submit(probe, pure=False).result()
+            if expected is None:
+                assert got == ("default_allocator", False)
+            else:
+                assert got == expected

@@ -435,6 +435,8 @@ class BornSharedPlugin(WorkerPlugin):
         from dask_shm.shared.buffer import SharedSpillBuffer
 
         settings = self.settings or BornSettings.from_config()
+        if id(worker) in _installed:
+            return  # already on (e.g. SharedMemoryPlugin turned it on from config)
         buffer = worker.data
         if not isinstance(buffer, SharedSpillBuffer):
             logger.info("dask-shm: arrays born shared need shared-memory mode; off")
