@@ -36,6 +36,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -175,6 +176,14 @@ def _is_born(x: np.ndarray) -> bool:
     return born.whole_block(x) is not None or born.block_of(x) is not None
 
 
+def _settle(client: Client) -> None:
+    """Wait until the workers hold no keys (the previous round's are released)."""
+    for _ in range(200):
+        if not any(client.run(lambda dask_worker: len(dask_worker.data)).values()):
+            return
+        time.sleep(0.02)
+
+
 def _cluster(impl: str, root: str) -> tuple[LocalCluster, Client, str, str]:
     cluster = LocalCluster(
         n_workers=2,
@@ -212,9 +221,14 @@ def test_handoff(benchmark: Any, impl: str, huge_root: str | None) -> None:
             def handoff(on_a: Any) -> None:
                 client.submit(operator.getitem, on_a, 0, workers=[b], pure=False).result()
 
-            born_on_a = client.submit(_is_born, client.submit(_make, 8 * MiB, workers=[a]))
-            benchmark.extra_info["born_on_a"] = born_on_a.result()
-            benchmark.pedantic(handoff, setup=setup, rounds=3, iterations=1)
+            def teardown(on_a: Any) -> None:
+                client.cancel([on_a])
+                _settle(client)
+
+            probe = client.submit(_make, 8 * MiB, workers=[a], pure=False)
+            benchmark.extra_info["born_on_a"] = client.submit(_is_born, probe).result()
+            client.cancel([probe])
+            benchmark.pedantic(handoff, setup=setup, teardown=teardown, rounds=5, iterations=1)
     benchmark.extra_info["bytes"] = HANDOFF
 
 
@@ -232,5 +246,7 @@ def test_make_handoff_use(benchmark: Any, impl: str, huge_root: str | None) -> N
                 assert on_b.result() == 1.5 * (HANDOFF // 8)
                 client.cancel([on_a, on_b])
 
-            benchmark.pedantic(round_trip, rounds=3, iterations=1, warmup_rounds=1)
+            benchmark.pedantic(
+                round_trip, setup=lambda: _settle(client), rounds=5, iterations=1, warmup_rounds=1
+            )
     benchmark.extra_info["bytes"] = HANDOFF
