@@ -393,6 +393,19 @@ def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str) -> 
     assert born.adopt_into(store, "y", np.ones(MiB)) is None  # not born
 
 
+def test_store_spill_of_a_born_array_meters_one_header_write(arena: str, shm_dir: str) -> None:
+    store = _store(shm_dir)
+    with born.allocating():
+        a = np.ones(MiB // 4)
+    store["x"] = a
+    assert born.whole_block(a).sealed and not born.whole_block(a).owned
+    assert store.cumulative_metrics["disk-write", "count"] == 1
+    assert store.cumulative_metrics["disk-write", "bytes"] == born.header_size()
+    store["y"] = np.ones(MiB // 4)  # an ordinary array: the ordinary write
+    assert store.cumulative_metrics["disk-write", "bytes"] > 2 * MiB
+    np.testing.assert_array_equal(store["x"], store["y"])
+
+
 def test_adopt_into_respects_max_spill(arena: str, shm_dir: str) -> None:
     from dask_shm.spill_store import MaxSpillExceeded
 

@@ -284,6 +284,11 @@ def file_prefix(header: dict, payload: int) -> bytes | None:
     return prefix
 
 
+def header_size() -> int:
+    """Bytes in front of a block's data in its file: what sealing writes."""
+    return _core.born_header_size()
+
+
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 

@@ -140,7 +140,12 @@ class SharedSpillStore(SpillStore):
 
     def __setitem__(self, key: Key, value: object) -> None:
         # An array born shared is already in a file: only its header is written.
-        name = born.adopt_into(self, key, value)
+        with context_meter.add_callback(self._record):
+            with context_meter.meter("disk-write", "seconds"):
+                name = born.adopt_into(self, key, value)
+            if name is not None:
+                context_meter.digest_metric("disk-write", 1, "count")
+                context_meter.digest_metric("disk-write", born.header_size(), "bytes")
         if name is not None:
             self._private_cache.pop(key, None)
             self._register(key, name)
