@@ -8,7 +8,10 @@ benches/conftest.py). Implementations:
 - ``ours-born``: shared-memory mode, arrays born shared, root ``/dev/shm``
   (on this host a tmpfs without huge pages: ``huge=never``);
 - ``ours-born-huge``: the same with the root on a tmpfs the bench mounts with
-  ``huge=within_size`` (skipped when it cannot mount: needs root).
+  ``huge=within_size`` (skipped when it cannot mount: needs root);
+- ``ray`` (hand-off benchmarks, skipped unless ``ray`` is installed): Ray
+  tasks, the array going through Ray's object store (``ray.init`` with 2
+  CPUs and a 3 GiB object store, started before the timing).
 
 Benchmarks:
 
@@ -202,12 +205,77 @@ def _cluster(impl: str, root: str) -> tuple[LocalCluster, Client, str, str]:
     return cluster, client, a, b
 
 
-IMPLS = ["stock", "ours", "ours-born", "ours-born-huge"]
+IMPLS = ["stock", "ours", "ours-born", "ours-born-huge", "ray"]
+
+
+@pytest.fixture
+def ray_session(request: Any) -> Iterator[Any]:
+    """Ray started (2 CPUs, 3 GiB object store) for the ``ray`` impl, else None."""
+    if request.node.callspec.params["impl"] != "ray":
+        yield None
+        return
+    ray = pytest.importorskip("ray")
+    ray.init(
+        num_cpus=2,
+        object_store_memory=3 * GiB,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _ray_tasks(ray: Any) -> tuple[Any, Any, Any]:
+    """make / first / sum as Ray tasks (defined here so that Ray pickles them
+    by value: its workers cannot import this bench module)."""
+
+    def make(nbytes: int) -> Any:
+        import numpy
+
+        return numpy.full(nbytes // 8, 1.5)
+
+    def first(x: Any) -> float:
+        return float(x[0])
+
+    def total(x: Any) -> float:
+        return float(x.sum())
+
+    return ray.remote(make), ray.remote(first), ray.remote(total)
+
+
+def _ray_handoff(benchmark: Any, ray: Any) -> None:
+    make, first, _ = _ray_tasks(ray)
+
+    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ref = make.remote(HANDOFF)
+        ray.wait([ref], fetch_local=False)
+        return (ref,), {}
+
+    def handoff(ref: Any) -> None:
+        ray.get(first.remote(ref))
+
+    ray.get(first.remote(make.remote(8 * MiB)))  # warm the workers
+    benchmark.pedantic(handoff, setup=setup, rounds=5, iterations=1)
+
+
+def _ray_round_trip(benchmark: Any, ray: Any) -> None:
+    make, _, total = _ray_tasks(ray)
+
+    def round_trip() -> None:
+        assert ray.get(total.remote(make.remote(HANDOFF))) == 1.5 * (HANDOFF // 8)
+
+    benchmark.pedantic(round_trip, rounds=5, iterations=1, warmup_rounds=1)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_handoff(benchmark: Any, impl: str, huge_root: str | None) -> None:
+def test_handoff(benchmark: Any, impl: str, huge_root: str | None, ray_session: Any) -> None:
     benchmark.group = f"hand-off of a fresh {HANDOFF / GiB:.3g} GiB array, worker A -> B"
+    benchmark.extra_info["bytes"] = HANDOFF
+    if ray_session is not None:
+        return _ray_handoff(benchmark, ray_session)
     root = _root_for(impl, huge_root)
     with dask.config.set(CLUSTER_CONFIG):
         cluster, client, a, b = _cluster(impl, root)
@@ -233,8 +301,13 @@ def test_handoff(benchmark: Any, impl: str, huge_root: str | None) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_make_handoff_use(benchmark: Any, impl: str, huge_root: str | None) -> None:
+def test_make_handoff_use(
+    benchmark: Any, impl: str, huge_root: str | None, ray_session: Any
+) -> None:
     benchmark.group = f"make {HANDOFF / GiB:.3g} GiB on A + hand-off + use on B"
+    benchmark.extra_info["bytes"] = HANDOFF
+    if ray_session is not None:
+        return _ray_round_trip(benchmark, ray_session)
     root = _root_for(impl, huge_root)
     with dask.config.set(CLUSTER_CONFIG):
         cluster, client, a, b = _cluster(impl, root)
