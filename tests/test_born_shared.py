@@ -525,3 +525,22 @@ def test_shared_memory_plugin_turns_it_on_from_config() -> None:
                 assert got == ("default_allocator", False)
             else:
                 assert got == expected
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_tasks_run_on_ordinary_memory_when_the_directory_vanishes(c, s, a) -> None:
+    directory = tempfile.mkdtemp(prefix="dask-shm-born-", dir="/dev/shm")
+    try:
+        born.install_on_worker(
+            a, directory, threshold=MiB, budget=64 * MiB, budget_fn=lambda: 64 * MiB
+        )
+        os.rmdir(directory)
+
+        def make() -> tuple[float, bool]:
+            x = np.ones(MiB // 4)
+            return float(x.sum()), born.block_of(x) is not None
+
+        assert await c.submit(make, pure=False) == (MiB // 4, False)
+    finally:
+        born.uninstall_from_worker(a)
+        shutil.rmtree(directory, ignore_errors=True)

@@ -393,9 +393,16 @@ def install_on_worker(
     max_blocks = _max_map_count() // 4
 
     async def execute(key: Any, *, stimulus_id: str) -> Any:
-        if budget_fn is not None:
-            _core.born_configure(directory, threshold, budget_fn(), max_blocks)
-        with allocating():
+        try:
+            if budget_fn is not None:
+                _core.born_configure(directory, threshold, budget_fn(), max_blocks)
+            context: contextlib.AbstractContextManager = allocating()
+        except (OSError, ValueError, RuntimeError) as e:
+            # E.g. the directory was removed behind our back: the task runs on
+            # ordinary memory rather than failing.
+            logger.warning("dask-shm: arrays born shared off for %r: %s", key, e)
+            context = contextlib.nullcontext()
+        with context:
             return await original(key, stimulus_id=stimulus_id)
 
     execute.__wrapped__ = original  # type: ignore[attr-defined]
@@ -455,6 +462,11 @@ class BornSharedPlugin(WorkerPlugin):
                 "shm.shared-memory.born-shared: true)",
                 root,
             )
+            return
+        try:
+            _core.born_handler()
+        except (RuntimeError, ImportError) as e:
+            logger.warning("dask-shm: arrays born shared need numpy >= 1.22 (%s); off", e)
             return
         self._directory = paths.subdir(root, f"born-{uuid.uuid4().hex[:12]}")
         budget = settings.budget_for(root, worker.memory_manager.memory_limit)
