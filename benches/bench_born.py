@@ -50,7 +50,7 @@ from distributed import Client, LocalCluster, wait
 from distributed.spill import SpillBuffer as StockSpillBuffer
 
 from dask_shm import SharedMemoryPlugin
-from dask_shm.shared import born
+from dask_shm.shared import born, born_worker
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -200,7 +200,7 @@ def _cluster(impl: str, root: str) -> tuple[LocalCluster, Client, str, str]:
     if impl != "stock":
         client.register_plugin(SharedMemoryPlugin(root=root))
     if impl.startswith("ours-born"):
-        client.register_plugin(born.BornSharedPlugin(born.BornSettings(mode=True)))
+        client.register_plugin(born_worker.BornSharedPlugin(born_worker.BornSettings(mode=True)))
     a, b = sorted(client.scheduler_info()["workers"])
     return cluster, client, a, b
 

@@ -21,7 +21,7 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 from dask_shm._core import born_stats, read_peer_file
-from dask_shm.shared import born
+from dask_shm.shared import born, born_store, born_worker
 from dask_shm.spill_store import frames_to_object, serialize_unsplit
 
 MiB = 1 << 20
@@ -301,17 +301,17 @@ def test_many_threads(arena: str) -> None:
 
 
 def test_settings_from_config(shm_dir: str) -> None:
-    assert born.BornSettings.from_config() == born.BornSettings()
+    assert born_worker.BornSettings.from_config() == born_worker.BornSettings()
     with dask.config.set(
         {"shm.shared-memory.born-shared": True, "shm.shared-memory.born-threshold": "4 MiB"}
     ):
-        s = born.BornSettings.from_config()
+        s = born_worker.BornSettings.from_config()
     assert s.enabled_for(shm_dir) and s.threshold == 4 * MiB
     assert 0 < s.budget_for(shm_dir, 10 * MiB) <= 10 * MiB
     for key, bad in [("born-shared", "yes"), ("born-threshold", "lots"), ("born-budget", -1)]:
         with dask.config.set({f"shm.shared-memory.{key}": bad}):
             with pytest.raises(ValueError, match=key):
-                born.BornSettings.from_config()
+                born_worker.BornSettings.from_config()
 
 
 def test_huge_pages_read_from_mount_options(tmp_path) -> None:
@@ -320,17 +320,17 @@ def test_huge_pages_read_from_mount_options(tmp_path) -> None:
         "tmpfs /dev/shm tmpfs rw,relatime,size=100k 0 0\n"
         f"tmpfs {tmp_path} tmpfs rw,huge=within_size 0 0\n"
     )
-    assert born.huge_pages(str(tmp_path), str(mounts))
+    assert born_worker.huge_pages(str(tmp_path), str(mounts))
     mounts.write_text(f"tmpfs {tmp_path} tmpfs rw,huge=never 0 0\n")
     forced = "[force]" in open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
-    assert born.huge_pages(str(tmp_path), str(mounts)) == forced
+    assert born_worker.huge_pages(str(tmp_path), str(mounts)) == forced
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_worker_tasks_allocate_born_shared(c, s, a) -> None:
     directory = tempfile.mkdtemp(prefix="dask-shm-born-", dir="/dev/shm")
     try:
-        born.install_on_worker(a, directory, threshold=MiB, budget=64 * MiB)
+        born_worker.install_on_worker(a, directory, threshold=MiB, budget=64 * MiB)
 
         def make() -> tuple[str, bool]:
             x = np.ones(MiB // 4)
@@ -339,7 +339,7 @@ async def test_worker_tasks_allocate_born_shared(c, s, a) -> None:
         assert await c.submit(make, pure=False) == ("dask_shm_born_shared", True)
         # Code outside tasks (the event loop here) is untouched.
         assert handler_name() == "default_allocator"
-        born.uninstall_from_worker(a)
+        born_worker.uninstall_from_worker(a)
         assert await c.submit(make, pure=False) == ("default_allocator", False)
         assert born_stats()["directory"] is None
     finally:
@@ -371,7 +371,7 @@ def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str) -> 
     assert block is not None
     with open(block.path, "rb") as f:
         before = f.read(os.stat(block.path).st_size)
-    name = born.adopt_into(store, "x", a)
+    name = born_store.adopt_into(store, "x", a)
     assert name is not None
     store._register("x", name)
     path = store.files.path(name)
@@ -390,7 +390,7 @@ def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str) -> 
     del a
     assert os.path.exists(path)
     np.testing.assert_array_equal(store["x"], value)
-    assert born.adopt_into(store, "y", np.ones(MiB)) is None  # not born
+    assert born_store.adopt_into(store, "y", np.ones(MiB)) is None  # not born
 
 
 def test_store_spill_of_a_born_array_meters_one_header_write(arena: str, shm_dir: str) -> None:
@@ -413,7 +413,7 @@ def test_adopt_into_respects_max_spill(arena: str, shm_dir: str) -> None:
     with born.allocating():
         a = np.ones(MiB // 4)  # 2 MiB
     with pytest.raises(MaxSpillExceeded):
-        born.adopt_into(store, "x", a)
+        born_store.adopt_into(store, "x", a)
     assert not born.whole_block(a).sealed  # untouched
 
 
@@ -421,7 +421,7 @@ def test_adopt_into_respects_the_tier2_budget(arena: str, shm_dir: str) -> None:
     store = _store(shm_dir, budget=MiB)
     with born.allocating():
         a = np.ones(MiB // 4)  # 2 MiB: more than tier 2 may hold
-    assert born.adopt_into(store, "x", a) is None
+    assert born_store.adopt_into(store, "x", a) is None
     assert not born.whole_block(a).sealed
     store["x"] = a  # the ordinary write, which goes to tier 3
     assert store.tiers.tier_of(store.file_of("x")) == 3
@@ -436,7 +436,7 @@ def test_arena_budget_follows_what_tier2_leaves(shm_dir: str) -> None:
     try:
         with born.allocating():
             a = np.ones(MiB // 2)  # 4 MiB
-        name = born.adopt_into(store, "a", a)
+        name = born_store.adopt_into(store, "a", a)
         assert name is not None
         store._register("a", name)
         # Disowned blocks no longer count against the arena's own budget...
@@ -487,7 +487,7 @@ def test_cluster_hands_a_born_array_over_without_copying_it() -> None:
         Client(cluster) as client,
     ):
         client.register_plugin(SharedMemoryPlugin())
-        client.register_plugin(born.BornSharedPlugin(born.BornSettings(mode=True)))
+        client.register_plugin(born_worker.BornSharedPlugin(born_worker.BornSettings(mode=True)))
         a, b = sorted(client.scheduler_info()["workers"])
         x = client.submit(_made_born, 32 * MiB, 2.0, workers=[a], key="born-x")
         total = client.submit(lambda v: float(v.sum()), x, workers=[b], key="born-sum")
@@ -531,7 +531,7 @@ def test_shared_memory_plugin_turns_it_on_from_config() -> None:
 async def test_tasks_run_on_ordinary_memory_when_the_directory_vanishes(c, s, a) -> None:
     directory = tempfile.mkdtemp(prefix="dask-shm-born-", dir="/dev/shm")
     try:
-        born.install_on_worker(
+        born_worker.install_on_worker(
             a, directory, threshold=MiB, budget=64 * MiB, budget_fn=lambda: 64 * MiB
         )
         os.rmdir(directory)
@@ -542,5 +542,5 @@ async def test_tasks_run_on_ordinary_memory_when_the_directory_vanishes(c, s, a)
 
         assert await c.submit(make, pure=False) == (MiB // 4, False)
     finally:
-        born.uninstall_from_worker(a)
+        born_worker.uninstall_from_worker(a)
         shutil.rmtree(directory, ignore_errors=True)

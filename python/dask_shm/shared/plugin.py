@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from dask_shm.config import SharedMemorySettings
-from dask_shm.shared import born, limits, metrics, monitor, paths, transfer
+from dask_shm.shared import born_worker, limits, metrics, monitor, paths, transfer
 from dask_shm.shared.buffer import SharedSpillBuffer
 from dask_shm.shared.registry import PeerRegistry
 from dask_shm.shared.sender import install_get_data
@@ -92,7 +92,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         monitor.install_worker_monitor(worker, buffer)
         metrics.install(worker)
         # After the monitor: born-shared bytes are added on top of it.
-        self._born = born.BornSharedPlugin()
+        self._born = born_worker.BornSharedPlugin()
         self._born.setup(worker)
         logger.info(
             "dask-shm: shared-memory mode on %s (tier 2 %s, budget %d MiB = %s; tier 3 %s)",
