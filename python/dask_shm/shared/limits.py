@@ -195,3 +195,23 @@ def tier2_budget(
     if cap < wanted:
         return Budget(cap, f"{TMPFS_HEADROOM:g} x free space of {root} (< {how})", small)
     return Budget(wanted, how, small)
+
+
+def summary(root: str, max_bytes: int | float | None, memory_limit: int | None = None) -> dict:
+    """Facts for ``dask-shm info``: ``cgroup`` (None or version, path, limit,
+    usage), ``memory_available`` (bytes this process may use), ``tmpfs``
+    (size and free bytes of ``root``, None if unreadable) and ``budget`` (the
+    tier-2 budget a worker with ``memory_limit`` would get: limit, reason,
+    small_root). Never raises for an unreadable fact."""
+    cg = cgroup_memory()
+    try:
+        space: TmpfsSpace | None = tmpfs_space(root)
+    except OSError:
+        space = None
+    budget = tier2_budget(max_bytes, root, memory_limit)
+    return {
+        "cgroup": None if cg is None else cg.__dict__.copy(),
+        "memory_available": memory_available_to_process(),
+        "tmpfs": None if space is None else space.__dict__.copy(),
+        "budget": budget.__dict__.copy(),
+    }

@@ -60,28 +60,31 @@ class SharedMemoryPlugin(WorkerPlugin):
             return
         settings = SharedMemorySettings.from_config()
         root = self.root or settings.root
+        memory_limit = worker.memory_manager.memory_limit
+        budget = limits.tier2_budget(settings.max_bytes, root, memory_limit)
+        target = target_from_config(memory_limit) or sys.maxsize
         try:
-            paths.check_root(root)
-        except paths.UnusableRoot as e:
+            # The one check of the root (create raises UnusableRoot).
+            buffer = SharedSpillBuffer.create(
+                target,
+                root=root,
+                disk_root=settings.disk_root,
+                budget=budget.limit,
+                min_size=settings.min_size,
+                min_shared_fraction=settings.min_shared_fraction,
+                max_spill=worker.memory_manager.max_spill,
+                name=f"w-{uuid.uuid4().hex[:12]}",
+            )
+        except (paths.UnusableRoot, OSError) as e:
             logger.warning("dask-shm: %s; this worker spills privately", e)
             SpillBufferPlugin().setup(worker)
             return
-        paths.sweep_dead_processes(root)
-        paths.sweep_dead_processes(settings.disk_root)
-        memory_limit = worker.memory_manager.memory_limit
-        budget = limits.tier2_budget(settings.max_bytes, root, memory_limit)
         _warn_small_root(root, budget)
-        target = target_from_config(memory_limit) or sys.maxsize
-        buffer = SharedSpillBuffer.create(
-            target,
-            root=root,
-            disk_root=settings.disk_root,
-            budget=budget.limit,
-            min_size=settings.min_size,
-            min_shared_fraction=settings.min_shared_fraction,
-            max_spill=worker.memory_manager.max_spill,
-            name=f"w-{uuid.uuid4().hex[:12]}",
-        )
+        paths.sweep_dead_processes(root)
+        try:
+            paths.sweep_dead_processes(settings.disk_root)
+        except (OSError, paths.UnusableRoot) as e:
+            logger.info("dask-shm: cannot sweep %s: %s", settings.disk_root, e)
         install_spill_buffer(worker, buffer)
         self._buffer = buffer
         self._original_gather_dep = _receive_fetches_into(worker, buffer)
@@ -173,13 +176,22 @@ class SharedMemoryNannyPlugin(NannyPlugin):
             return None
         return root
 
+    def _sweep(self, root: str) -> None:
+        """Remove dead processes' directories on the root and on the tier-3 root."""
+        paths.sweep_dead_processes(root)
+        disk_root = SharedMemorySettings.from_config().disk_root
+        try:
+            paths.sweep_dead_processes(disk_root)
+        except (OSError, paths.UnusableRoot) as e:
+            logger.info("dask-shm: cannot sweep %s: %s", disk_root, e)
+
     def setup(self, nanny: Nanny) -> None:
         root = self._root()
         monitor.install_nanny_monitor(nanny, root)
         if root is not None:
-            paths.sweep_dead_processes(root)
+            self._sweep(root)
 
     def teardown(self, nanny: Nanny) -> Any:
         root = self._root()
         if root is not None:
-            paths.sweep_dead_processes(root)
+            self._sweep(root)

@@ -41,6 +41,13 @@ logger = logging.getLogger(__name__)
 _FRAME_OVERHEAD = 128
 
 
+def _is_full(e: OSError) -> bool:
+    """ENOSPC or EDQUOT (the Rust store's OSErrors may carry the code only in
+    their message, as "(os error 28)")."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    return e.errno in codes or any(f"(os error {c})" in str(e) for c in codes)
+
+
 class TieredFiles:
     """Entries in tier 2 (``tmpfs``) up to ``budget`` bytes, the rest in
     tier 3 (``disk``). Thread-safe (its state changes under one lock).
@@ -165,7 +172,7 @@ class TieredFiles:
                 try:
                     stored = self.tmpfs.put(stem, frames, memory, rest)
                 except OSError as e:
-                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    if not _is_full(e):
                         raise
                     self._on_tmpfs_full(e)
                 else:

@@ -1,0 +1,402 @@
+"""Tiered shared-memory store: tmpfs (tier 2) within a budget over a real file
+system (tier 3), under real memory cgroups and a real 64 MiB tmpfs."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+
+from dask_shm.shared import (
+    SharedMemoryNannyPlugin,
+    SharedMemoryPlugin,
+    SharedSpillBuffer,
+    limits,
+    transfer,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory_cgroup import memory_cgroup, run_workload, unavailable_reason  # noqa: E402
+
+MiB = 2**20
+GiB = 2**30
+
+
+def make_buffer(
+    root: str, disk_root: str, budget: int, target: int = 64 * MiB
+) -> SharedSpillBuffer:
+    return SharedSpillBuffer.create(
+        target,
+        root=root,
+        disk_root=disk_root,
+        budget=budget,
+        min_size=64 * 1024,
+        min_shared_fraction=0.5,
+    )
+
+
+@pytest.fixture
+def disk_root(tmp_path) -> str:
+    return str(tmp_path / "disk")
+
+
+@contextlib.contextmanager
+def small_tmpfs(size: str = "64m") -> Iterator[str]:
+    """A real tmpfs of ``size`` mounted on a fresh directory (root only)."""
+    path = tempfile.mkdtemp(prefix="dask-shm-tmpfs-")
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", path],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", "-l", path], check=False)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# --- the store's tiers, in one process -------------------------------------------
+
+
+def test_spills_beyond_the_budget_go_to_disk_and_read_back(shm_dir, disk_root):
+    buf = make_buffer(shm_dir, disk_root, budget=20 * MiB, target=0)
+    tiers = buf.store.tiers
+    values = {f"k{i}": np.full(MiB, i, dtype="f8") for i in range(6)}  # 8 MiB each
+    for k, v in values.items():
+        buf[k] = v
+    where = {k: tiers.tier_of(buf.store.file_of(k)) for k in values}
+    assert sorted(where.values()) == [2, 2, 3, 3, 3, 3], where
+    assert tiers.budget.used <= 20 * MiB
+    assert tiers.tier2_bytes() <= 20 * MiB
+    assert os.listdir(tiers.disk.directory), "tier-3 files on the real file system"
+    for k, v in values.items():
+        np.testing.assert_array_equal(buf[k], v)
+    buf.close()
+
+
+def test_mapped_values_stay_put_and_move_once_released(shm_dir, disk_root):
+    buf = make_buffer(shm_dir, disk_root, budget=20 * MiB, target=64 * MiB)
+    tiers = buf.store.tiers
+    buf["a"] = np.full(MiB, 1.0)
+    buf["b"] = np.full(MiB, 2.0)
+    buf.evict()
+    buf.evict()
+    a, b = buf["a"], buf["b"]  # mapped from tier 2, retained: pinned
+    assert tiers.budget.used == 2 * tiers.sizes(buf.store.file_of("a"))[1]
+    tiers.budget.limit = 0  # the budget shrinks (as on ENOSPC)
+    assert tiers.enforce() is False  # over budget, and nothing may move
+    assert {tiers.tier_of(buf.store.file_of(k)) for k in "ab"} == {2}, "pinned files never move"
+    buf.evict()  # releases the least recently used retained value: it moves now
+    moved = [k for k in "ab" if tiers.tier_of(buf.store.file_of(k)) == 3]
+    assert len(moved) == 1 and tiers.moves == 1
+    np.testing.assert_array_equal(buf[moved[0]], np.full(MiB, 1.0 if moved == ["a"] else 2.0))
+    np.testing.assert_array_equal(a, np.full(MiB, 1.0))
+    np.testing.assert_array_equal(b, np.full(MiB, 2.0))
+    # A value mapped from tier 3 weighs its full size (page cache in the RSS).
+    assert buf.fast.weights[moved[0]] >= 8 * MiB
+    buf.close()
+
+
+def test_enospc_sends_spills_to_disk_and_nothing_stays_in_memory(disk_root, caplog):
+    with small_tmpfs("16m") as root:
+        buf = make_buffer(root, disk_root, budget=GiB, target=0)  # budget > the tmpfs
+        values = {f"k{i}": np.full(MiB // 2, i, dtype="f8") for i in range(8)}  # 4 MiB each
+        for k, v in values.items():
+            buf[k] = v
+        tiers = buf.store.tiers
+        assert not buf.fast, "nothing is kept in memory because the tmpfs is full"
+        assert tiers.tmpfs_full
+        assert len(tiers.disk) >= 4
+        assert "shared-memory root is full" in caplog.text
+        for k, v in values.items():
+            np.testing.assert_array_equal(buf[k], v)
+        buf.close()
+        del buf
+        gc.collect()
+
+
+def test_adopted_tier3_file_is_hard_linked_from_the_peer(shm_dir, disk_root):
+    sender = make_buffer(shm_dir, disk_root, budget=0, target=0)
+    receiver = make_buffer(shm_dir, disk_root, budget=0, target=0)
+    sender["x"] = np.arange(MiB, dtype="f8")
+    assert sender.store.tiers.tier_of(sender.store.file_of("x")) == 3
+    handle = sender.export("x")
+    assert handle is not None and handle.path.startswith(disk_root)
+    value = receiver.receive(handle)
+    os.unlink(handle.path)
+    receiver["x"] = value
+    s_path = sender.store.path("x")
+    r_path = receiver.store.path("x")
+    assert os.stat(s_path).st_ino == os.stat(r_path).st_ino
+    np.testing.assert_array_equal(receiver["x"], np.arange(MiB, dtype="f8"))
+    sender.close()
+    receiver.close()
+
+
+def test_an_arrival_dropped_unstored_releases_its_file(shm_dir, disk_root):
+    sender = make_buffer(shm_dir, disk_root, budget=GiB, target=0)
+    receiver = make_buffer(shm_dir, disk_root, budget=GiB)
+    sender["x"] = np.ones(MiB)
+    handle = sender.export("x")
+    assert handle is not None
+    value = receiver.receive(handle)
+    os.unlink(handle.path)
+    assert receiver.pending_arrivals() == 1
+    assert len(os.listdir(receiver.store.directory)) == 1
+    del value  # the fetch was cancelled: the worker drops the value
+    assert receiver.pending_arrivals() == 0
+    assert os.listdir(receiver.store.directory) == []
+    assert receiver.shm_counters["abandoned_arrivals"] == 1
+    # close releases what is still waiting
+    kept = receiver.receive(sender.export("x"))  # type: ignore[arg-type]
+    receiver.close()
+    assert os.listdir(receiver.store.directory) == []
+    assert (kept == 1).all()
+    with pytest.raises(RuntimeError, match="closed"):
+        receiver.receive(handle)
+    sender.close()
+
+
+# --- limits -------------------------------------------------------------------------
+
+
+def test_cgroup_facts_from_proc_and_sysfs_files(tmp_path):
+    proc = tmp_path / "cgroup"
+    base = tmp_path / "fs"
+    (base / "memory" / "job" / "step").mkdir(parents=True)
+    (base / "memory" / "job" / "memory.limit_in_bytes").write_text(str(3 * GiB))
+    (base / "memory" / "job" / "step" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    (base / "memory" / "job" / "memory.usage_in_bytes").write_text(str(GiB))
+    proc.write_text("12:memory:/job/step\n0::/\n")
+    cg = limits.cgroup_memory(str(proc), str(base))
+    assert cg is not None and (cg.version, cg.limit, cg.usage) == ("v1", 3 * GiB, GiB)
+    (base / "unified" / "pod").mkdir(parents=True)
+    (base / "unified" / "pod" / "memory.max").write_text(str(GiB))
+    proc.write_text("0::/pod\n")
+    cg = limits.cgroup_memory(str(proc), str(base))
+    assert cg is not None and (cg.version, cg.limit) == ("v2", GiB)
+    (base / "unified" / "pod" / "memory.max").write_text("max\n")
+    assert limits.cgroup_memory(str(proc), str(base)) is None
+
+
+def test_budget_defaults_fit_memory_and_tmpfs(shm_dir):
+    auto = limits.tier2_budget(None, shm_dir, GiB)
+    assert auto.limit == int(limits.AUTO_FRACTION * GiB) and not auto.small_root
+    assert limits.tier2_budget(0.5, shm_dir, GiB).limit == GiB // 2
+    assert limits.tier2_budget(123, shm_dir, GiB).limit == 123
+    with small_tmpfs("64m") as root:
+        small = limits.tier2_budget(None, root, GiB)
+        assert small.small_root
+        assert small.limit <= 64 * MiB * limits.TMPFS_HEADROOM
+        assert "free space" in small.reason
+
+
+def test_max_bytes_setting_is_validated():
+    from dask_shm.config import SharedMemorySettings
+
+    for good, expected in (("auto", None), ("2 GiB", 2 * GiB), (0.25, 0.25), (0, 0)):
+        with dask.config.set({"shm.shared-memory.max-bytes": good}):
+            assert SharedMemorySettings.from_config().max_bytes == expected
+    for bad in ("lots", -1, 1.5, True):
+        with dask.config.set({"shm.shared-memory.max-bytes": bad}):
+            with pytest.raises(ValueError, match="max-bytes"):
+                SharedMemorySettings.from_config()
+
+
+# --- real kernel features, real clusters --------------------------------------------
+
+needs_cgroup = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=unavailable_reason() or ""
+)
+
+
+@needs_cgroup
+def test_cgroup_reports_its_limit_to_a_process_inside():
+    with memory_cgroup(700 * MiB) as cg:
+        code = (
+            "from dask_shm.shared.limits import cgroup_memory, memory_available_to_process;"
+            "c = cgroup_memory(); print(c.limit, memory_available_to_process())"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            preexec_fn=cg.add_self,
+            check=True,
+        ).stdout.split()
+    assert [int(v) for v in out] == [700 * MiB, 700 * MiB]
+
+
+@needs_cgroup
+@pytest.mark.timeout(1200)
+def test_out_of_core_inside_a_memory_cgroup_matches_stock_without_kills(tmp_path):
+    """1.5 GiB persisted by 2 workers x 350 MiB in a 1.25 GiB cgroup: stock
+    spills to disk; shared mode must not be killed (tmpfs pages are charged)."""
+    options = {
+        "gib": 1.5,
+        "memory_limit": "350MiB",
+        "disk_root": str(tmp_path / "disk"),
+        "local_directory": str(tmp_path / "local"),
+    }
+    runs = {}
+    for mode in ("stock", "ours"):
+        with memory_cgroup(int(1.25 * GiB)) as cg:
+            runs[mode] = run_workload({**options, "mode": mode}, cg, timeout=900)
+    ours, stock = runs["ours"], runs["stock"]
+    assert ours["returncode"] == 0, ours["stderr"][-3000:]
+    assert set(ours["data"].values()) == {"SharedSpillBuffer"}
+    assert ours["result"] == stock["result"]
+    assert ours["oom_kills"] == 0
+    assert ours["workers_replaced"] == 0 and ours["restart_events"] == 0
+    assert ours["tier3_files"] > 0, "data beyond the tier-2 budget reached the disk tier"
+
+
+@pytest.mark.timeout(900)
+def test_a_64_mib_tmpfs_root_completes_with_data_in_tier_3(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    with small_tmpfs("64m") as root:
+        options = {
+            "gib": 0.75,
+            "memory_limit": "400MiB",
+            "root": root,
+            "disk_root": str(tmp_path / "disk"),
+            "local_directory": str(tmp_path / "local"),
+        }
+        ours = run_workload({**options, "mode": "ours"}, timeout=600)
+        stock = run_workload({**options, "mode": "stock"}, timeout=600)
+    assert ours["returncode"] == 0, ours["stderr"][-3000:]
+    assert set(ours["data"].values()) == {"SharedSpillBuffer"}
+    assert ours["result"] == stock["result"]
+    assert ours["tier3_files"] > 0
+    assert "keeping data in memory" not in ours["stderr"]
+    warnings = [ln for ln in ours["stderr"].splitlines() if "--shm-size" in ln]
+    assert len(warnings) == 2, warnings  # once per worker process, naming the fix
+    assert "emptyDir" in warnings[0]
+
+
+def _fill(nbytes: int, i: int) -> np.ndarray:
+    return np.full(nbytes // 8, float(i))
+
+
+def _consume(x: np.ndarray) -> float:
+    time.sleep(0.05)
+    return float(x[0])
+
+
+def _state(dask_worker) -> dict:  # type: ignore[no-untyped-def]
+    data = dask_worker.data
+    files = [
+        os.path.join(d, f)
+        for d in (data.store.directory, data.store.tiers.disk.directory)
+        for f in os.listdir(d)
+    ]
+    return {
+        "arrivals": data.pending_arrivals(),
+        "keys": len(data),
+        "files": len(files),
+        "tasks": len(dask_worker.state.tasks),
+        "process_dir": os.path.dirname(data.store.directory),
+    }
+
+
+@pytest.mark.timeout(600)
+def test_cancelled_fetches_leave_no_incoming_file_pinned():
+    """Issue 12 item 3: consumers cancelled while their inputs are being
+    fetched; once that settles the receiver holds no file, and after close
+    its process directory holds nothing."""
+    config = {"distributed.scheduler.active-memory-manager.start": False}
+    with (
+        dask.config.set(config),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit="2GiB",
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(SharedMemoryPlugin())
+        client.register_plugin(SharedMemoryNannyPlugin())
+        a, b = sorted(client.scheduler_info()["workers"])
+        counters: dict = {}
+        for round_ in range(4):
+            inputs = [
+                client.submit(_fill, 16 * MiB, i, workers=[a], key=f"in-{round_}-{i}")
+                for i in range(10)
+            ]
+            wait(inputs)
+            outs = [
+                client.submit(_consume, x, workers=[b], key=f"out-{round_}-{i}")
+                for i, x in enumerate(inputs)
+            ]
+            time.sleep(0.02 * round_)
+            client.cancel(outs)
+            del outs
+            client.cancel(inputs)
+            del inputs
+            deadline = time.monotonic() + 60
+            while client.run(_state, workers=[b])[b]["tasks"]:
+                assert time.monotonic() < deadline, "cancelled tasks never left worker b"
+                time.sleep(0.1)
+            counters = client.run(
+                lambda dask_worker: dict(dask_worker.data.shm_counters), workers=[b]
+            )[b]
+        state = client.run(_state, workers=[b])[b]
+        assert state["arrivals"] == 0
+        assert state["keys"] == 0
+        assert state["files"] == 0, "no received file stays pinned after the cancel settles"
+        process_dir = state["process_dir"]
+        print("receiver counters:", counters)
+        assert counters.get("abandoned_arrivals", 0) + counters.get("received_links", 0) > 0
+    # after close: nothing of worker b's left on the root
+    leftover = (
+        [os.path.join(d, f) for d, _, fs in os.walk(process_dir) for f in fs]
+        if os.path.isdir(process_dir)
+        else []
+    )
+    assert leftover == []
+
+
+def test_handles_go_to_the_buffer_of_the_fetching_worker(shm_dir, disk_root):
+    one = make_buffer(shm_dir, disk_root, budget=GiB)
+    two = make_buffer(shm_dir, disk_root, budget=GiB, target=0)
+    two["x"] = np.ones(MiB)
+    handle = two.export("x")
+    assert handle is not None
+    transfer.enable_receiving(two)
+    try:
+        with transfer.receiving_into(one):
+            value = transfer.receive(handle)
+        assert one.pending_arrivals() == 1 and two.pending_arrivals() == 0
+        one["x"] = value
+        assert one.pending_arrivals() == 0 and "x" in one.store.retained
+    finally:
+        transfer.enable_receiving(None)
+        one.close()
+        two.close()
+
+
+def test_limits_summary_for_dask_shm_info(shm_dir):
+    facts = limits.summary(shm_dir, None, memory_limit=GiB)
+    assert set(facts) == {"cgroup", "memory_available", "tmpfs", "budget"}
+    assert facts["budget"]["limit"] == int(limits.AUTO_FRACTION * GiB)
+    assert facts["tmpfs"]["free"] > 0
+    assert facts["memory_available"] <= limits.host_memory_total()
