@@ -544,3 +544,16 @@ async def test_tasks_run_on_ordinary_memory_when_the_directory_vanishes(c, s, a)
     finally:
         born_worker.uninstall_from_worker(a)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_preload_refuses_a_bad_born_setting() -> None:
+    from distributed import Worker
+
+    from dask_shm.preload import InvalidConfig, dask_setup
+
+    worker = Worker.__new__(Worker)  # the preload only looks at the type
+    with dask.config.set(
+        {"shm.shared-memory.enabled": True, "shm.shared-memory.born-shared": "maybe"}
+    ):
+        with pytest.raises(InvalidConfig, match="born-shared"):
+            dask_setup(worker)

@@ -75,6 +75,9 @@ def _setup(server: Any) -> None:
     switches = {name: enabled(name) for name in ("spill-buffer", "spans")}
     if shared:
         from dask_shm.shared import SharedMemoryPlugin
+        from dask_shm.shared.born_worker import BornSettings
+
+        BornSettings.from_config()  # refuse a bad shm.shared-memory.born-* value now
 
         _add_plugin(server, SharedMemoryPlugin())
     elif switches["spill-buffer"]:

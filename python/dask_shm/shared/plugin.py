@@ -59,6 +59,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         if isinstance(worker.data, SharedSpillBuffer):
             return
         settings = SharedMemorySettings.from_config()
+        born_settings = born_worker.BornSettings.from_config()
         root = self.root or settings.root
         memory_limit = worker.memory_manager.memory_limit
         budget = limits.tier2_budget(settings.max_bytes, root, memory_limit)
@@ -95,7 +96,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         monitor.install_worker_monitor(worker, buffer)
         metrics.install(worker)
         # After the monitor: born-shared bytes are added on top of it.
-        self._born = born_worker.BornSharedPlugin()
+        self._born = born_worker.BornSharedPlugin(born_settings)
         self._born.setup(worker)
         logger.info(
             "dask-shm: shared-memory mode on %s (tier 2 %s, budget %d MiB = %s; tier 3 %s)",
