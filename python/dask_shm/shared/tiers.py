@@ -18,6 +18,9 @@ does not know there are two tiers. Its one concern is *where* a file lives:
   linked out to same-host peers on their file system; their page cache is the
   one shared copy, which the kernel can reclaim under pressure.
 
+A file received from a peer counts in the budget at this holder's share
+(size / holders when it arrives), as it does in the memory accounting.
+
 Names: tier-2 entries use the tier-2 store's names; entries written to or
 adopted into tier 3 directly are ``3:<name>`` (``:`` never occurs in a
 store name, see ``spill_store.file_stem``); moved entries keep their tier-2 name.
@@ -209,7 +212,10 @@ class TieredFiles:
                 self._in_disk[name] = inner
                 return name, disk
             name, disk = self.tmpfs.adopt(self.roots[0], path, size, stem, memory)
-            self.budget.add(name, disk)
+            # Budgeted at this holder's share: the sender keeps its link (the
+            # peer's outgoing link, the last one, goes once the handshake ends).
+            holders = max(self.tmpfs.link_count(name) - 1, 1)
+            self.budget.add(name, disk // holders)
             return name, disk
 
     def link_out(self, name: str) -> str:
