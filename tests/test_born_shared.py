@@ -347,14 +347,13 @@ async def test_worker_tasks_allocate_born_shared(c, s, a) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _store(shm_dir: str, max_weight: int | bool = False, budget: int = 1 << 30):
+def _store(shm_dir: str, disk_root: Any, max_weight: int | bool = False, budget: int = 1 << 30):
     from dask_shm.shared.buffer import SharedSpillBuffer
 
-    disk_root = tempfile.mkdtemp(prefix="dask-shm-born-disk-")
     buffer = SharedSpillBuffer.create(
         1 << 40,
         root=shm_dir,
-        disk_root=disk_root,
+        disk_root=str(disk_root),
         budget=budget,
         min_size=64 * 1024,
         min_shared_fraction=0.5,
@@ -363,8 +362,8 @@ def _store(shm_dir: str, max_weight: int | bool = False, budget: int = 1 << 30):
     return buffer.store
 
 
-def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str) -> None:
-    store = _store(shm_dir)
+def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str, tmp_path: Any) -> None:
+    store = _store(shm_dir, tmp_path)
     with born.allocating():
         a = np.arange(MiB // 2, dtype=np.float64)
     block = born.whole_block(a)
@@ -393,8 +392,10 @@ def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str) -> 
     assert born_store.adopt_into(store, "y", np.ones(MiB)) is None  # not born
 
 
-def test_store_spill_of_a_born_array_meters_one_header_write(arena: str, shm_dir: str) -> None:
-    store = _store(shm_dir)
+def test_store_spill_of_a_born_array_meters_one_header_write(
+    arena: str, shm_dir: str, tmp_path: Any
+) -> None:
+    store = _store(shm_dir, tmp_path)
     with born.allocating():
         a = np.ones(MiB // 4)
     store["x"] = a
@@ -406,10 +407,10 @@ def test_store_spill_of_a_born_array_meters_one_header_write(arena: str, shm_dir
     np.testing.assert_array_equal(store["x"], store["y"])
 
 
-def test_adopt_into_respects_max_spill(arena: str, shm_dir: str) -> None:
+def test_adopt_into_respects_max_spill(arena: str, shm_dir: str, tmp_path: Any) -> None:
     from dask_shm.spill_store import MaxSpillExceeded
 
-    store = _store(shm_dir, max_weight=MiB)
+    store = _store(shm_dir, tmp_path, max_weight=MiB)
     with born.allocating():
         a = np.ones(MiB // 4)  # 2 MiB
     with pytest.raises(MaxSpillExceeded):
@@ -417,8 +418,8 @@ def test_adopt_into_respects_max_spill(arena: str, shm_dir: str) -> None:
     assert not born.whole_block(a).sealed  # untouched
 
 
-def test_adopt_into_respects_the_tier2_budget(arena: str, shm_dir: str) -> None:
-    store = _store(shm_dir, budget=MiB)
+def test_adopt_into_respects_the_tier2_budget(arena: str, shm_dir: str, tmp_path: Any) -> None:
+    store = _store(shm_dir, tmp_path, budget=MiB)
     with born.allocating():
         a = np.ones(MiB // 4)  # 2 MiB: more than tier 2 may hold
     assert born_store.adopt_into(store, "x", a) is None
@@ -428,8 +429,8 @@ def test_adopt_into_respects_the_tier2_budget(arena: str, shm_dir: str) -> None:
     np.testing.assert_array_equal(store["x"], a)
 
 
-def test_arena_budget_follows_what_tier2_leaves(shm_dir: str) -> None:
-    store = _store(shm_dir, budget=5 * MiB)
+def test_arena_budget_follows_what_tier2_leaves(shm_dir: str, tmp_path: Any) -> None:
+    store = _store(shm_dir, tmp_path, budget=5 * MiB)
     directory = os.path.join(shm_dir, "born")
     os.mkdir(directory, 0o700)
     born.start(directory, budget=5 * MiB)
