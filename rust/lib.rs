@@ -2,6 +2,8 @@
 //! Python module; each concern lives in its own module.
 
 mod amm;
+pub mod born;
+mod born_py;
 pub mod format;
 pub mod ledger;
 mod local_transport;
@@ -37,6 +39,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(local_transport::py_pages_unmodified, m)?)?;
     m.add_function(wrap_pyfunction!(py_store::read_peer_file, m)?)?;
     m.add_function(wrap_pyfunction!(py_buffers::live_mappings, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::born_configure, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::born_handler, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::set_numpy_handler, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::born_block, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::born_seal, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::born_disown, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::born_header_size, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::born_stats, m)?)?;
     m.add(
         "ForgedHandleError",
         m.py().get_type::<py_store::ForgedHandleError>(),

@@ -292,3 +292,46 @@ class TierBudget:
         """``(victims, fits)``: entries to move out, oldest first, and whether
         ``incoming`` more bytes then fit within the limit."""
     def __len__(self) -> int: ...
+
+# -- arrays born shared (rust/born.rs, rust/born_py.rs) ---------------------------
+
+def born_configure(
+    directory: str | PathLike[str] | None,
+    threshold: int,
+    budget: int,
+    max_blocks: int,
+    reserve: bool = True,
+) -> None:
+    """Configure the process-wide arena: allocations of at least ``threshold``
+    bytes become files in ``directory`` (0700, on a tmpfs), up to ``budget``
+    mapped bytes and ``max_blocks`` mappings; ``None`` stops new blocks.
+    ``reserve`` fallocates each block's pages when made. Raises ValueError if
+    the directory does not exist."""
+
+def born_handler() -> Any:
+    """numpy ``mem_handler`` capsule serving large allocations from the arena
+    and the rest from the handler current at the first call."""
+
+def set_numpy_handler(handler: Any | None) -> Any:
+    """``PyDataMem_SetHandler`` in the current context; returns the previous
+    handler. ``None`` restores numpy's default."""
+
+def born_block(address: int) -> tuple[str, int, int, bool, bool] | None:
+    """``(path, start, length, sealed, owned)`` of the block holding
+    ``address``, or None."""
+
+def born_seal(address: int, length: int, header: bytes) -> str:
+    """Write ``header`` in front of the block's bytes in its file and remap the
+    block private copy-on-write at the same address; returns the file path.
+    Raises LookupError (no such block), FileExistsError (sealed with another
+    header), ValueError (header too long) or OSError."""
+
+def born_disown(address: int, new_path: str | PathLike[str]) -> None:
+    """The sealed block's file now lives at ``new_path``: its own name is
+    unlinked and freeing only unmaps. Raises LookupError."""
+
+def born_header_size() -> int:
+    """Bytes in front of a block's data inside its file (one page)."""
+
+def born_stats() -> dict[str, Any]:
+    """Arena counters (see ``dask_shm.shared.born.stats``)."""

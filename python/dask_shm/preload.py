@@ -73,6 +73,10 @@ def _setup(server: Any) -> None:
             install_spans(server)
         return
     shared = SharedMemorySettings.from_config().enabled
+    if shared:
+        from dask_shm.shared.born_worker import BornSettings
+
+        BornSettings.from_config()  # refuse a bad shm.shared-memory.born-* value now
     if isinstance(server, Nanny):
         if shared:
             from dask_shm.shared import SharedMemoryNannyPlugin

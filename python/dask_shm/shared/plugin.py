@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from dask_shm.config import SharedMemorySettings
-from dask_shm.shared import limits, metrics, monitor, paths, transfer
+from dask_shm.shared import born_worker, limits, metrics, monitor, paths, transfer
 from dask_shm.shared.buffer import SharedSpillBuffer
 from dask_shm.shared.registry import PeerRegistry
 from dask_shm.shared.sender import install_get_data
@@ -59,6 +59,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         if isinstance(worker.data, SharedSpillBuffer):
             return
         settings = SharedMemorySettings.from_config()
+        born_settings = born_worker.BornSettings.from_config()
         root = self.root or settings.root
         memory_limit = worker.memory_manager.memory_limit
         budget = limits.tier2_budget(settings.max_bytes, root, memory_limit)
@@ -94,6 +95,9 @@ class SharedMemoryPlugin(WorkerPlugin):
         self._registry.register(worker.address)
         monitor.install_worker_monitor(worker, buffer)
         metrics.install(worker)
+        # After the monitor: born-shared bytes are added on top of it.
+        self._born = born_worker.BornSharedPlugin(born_settings)
+        self._born.setup(worker)
         logger.info(
             "dask-shm: shared-memory mode on %s (tier 2 %s, budget %d MiB = %s; tier 3 %s)",
             worker.address,
@@ -108,6 +112,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         if registry is None:
             return
         registry.unregister(worker.address)
+        self._born.teardown(worker)
         worker.handlers["get_data"] = self._original_get_data
         worker.__dict__.pop("gather_dep", None)
         monitor.uninstall_worker_monitor(worker)

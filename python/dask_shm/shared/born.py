@@ -1,0 +1,226 @@
+"""Arrays born shared: large numpy allocations live in files on the
+shared-memory root from the start.
+
+A process-wide arena (Rust, :mod:`dask_shm._core` ``born_*``) serves numpy
+allocations of at least ``threshold`` bytes from ``MAP_SHARED`` mappings of
+fresh files in a private directory; everything smaller, and everything the
+arena refuses (byte budget, mapping budget, tmpfs full), comes from the
+handler that was current before (numpy's default). numpy chooses its handler
+per context (a contextvar), so :func:`allocating` turns it on only for the
+code it wraps.
+
+Each block's file has one page in front of the array's bytes. :func:`seal`
+writes a spill-file header there (the format of ``rust/format.rs``, the
+header frame padded so the array's frame starts exactly at that page) and
+remaps the owner's pages private copy-on-write at the same address: the file
+is then a complete, immutable spill file a store can adopt and a peer can
+link, and nothing was copied. Writes the owner makes afterwards stay private.
+
+Related modules: :mod:`.born_store` (a born array becomes a store's file),
+:mod:`.born_worker` (config, and the worker plugin that runs tasks through
+the arena).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from dask_shm import _core
+
+#: Smallest allocation served from a file unless configured otherwise.
+DEFAULT_THRESHOLD = 1 << 20
+# rust/format.rs: magic, u32 frame count, u64 per frame length; frames of
+# FRAME_ALIGN_MIN_LEN bytes or more start on a FRAME_ALIGNMENT boundary.
+_MAGIC = b"DSK2"
+_ALIGN = _core.FRAME_ALIGNMENT
+_PAD_KEY = "born-padding"
+
+
+def default_max_blocks() -> int:
+    """A quarter of ``vm.max_map_count`` (each block is one mapping; the rest
+    is left to the store's mappings and everything else in the process)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 4
+    except (OSError, ValueError):
+        return 65530 // 4
+
+
+# -- the arena -------------------------------------------------------------------
+
+
+def start(
+    directory: str,
+    *,
+    threshold: int = DEFAULT_THRESHOLD,
+    budget: int,
+    max_blocks: int | None = None,
+    reserve: bool = True,
+) -> None:
+    """Serve allocations of ``threshold`` bytes or more from files in
+    ``directory`` (existing, 0700, on a tmpfs), up to ``budget`` bytes and
+    ``max_blocks`` blocks (default: a quarter of ``vm.max_map_count``) at
+    once. ``reserve`` allocates each block's tmpfs pages when it is made
+    (``fallocate``), so a full tmpfs makes the allocation fall back to
+    ordinary memory instead of killing the process with SIGBUS later.
+    Only code inside :func:`allocating` uses the arena. Raises ValueError if
+    ``directory`` does not exist."""
+    if max_blocks is None:
+        max_blocks = default_max_blocks()
+    _core.born_configure(directory, threshold, budget, max_blocks, reserve)
+
+
+def stop() -> None:
+    """Serve no new blocks; arrays already born shared stay valid."""
+    _core.born_configure(None, DEFAULT_THRESHOLD, 0, 0)
+
+
+def stats() -> dict[str, Any]:
+    """Arena counters: ``blocks``, ``bytes`` (mapped), ``owned_bytes`` (files
+    only the arena holds: memory nobody else accounts for), ``allocated``,
+    ``freed``, ``sealed``, ``refused_budget``, ``refused_blocks``,
+    ``refused_error``, ``threshold`` and ``directory`` (None when stopped)."""
+    return _core.born_stats()
+
+
+@contextlib.contextmanager
+def allocating() -> Iterator[None]:
+    """numpy allocations in this context (and contexts copied from it, such as
+    those of threads started with ``run_in_executor_with_context``) go
+    through the arena; the previous handler is restored on exit. Raises
+    RuntimeError when numpy lacks the handler API (numpy < 1.22)."""
+    previous = _core.set_numpy_handler(_core.born_handler())
+    try:
+        yield
+    finally:
+        _core.set_numpy_handler(previous)
+
+
+# -- looking arrays up -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    """A born-shared block: its file, where it is mapped and how long it is."""
+
+    path: str
+    start: int
+    length: int
+    sealed: bool
+    owned: bool
+
+
+def _data_range(value: object) -> tuple[int, int] | None:
+    import numpy as np
+
+    if type(value) is not np.ndarray or value.dtype.hasobject:
+        return None
+    address = value.__array_interface__["data"][0]
+    return address, value.nbytes
+
+
+def block_of(value: object) -> Block | None:
+    """The block a numpy array's bytes live in (any view of it), or None."""
+    found = _data_range(value)
+    if found is None:
+        return None
+    block = _core.born_block(found[0])
+    return None if block is None else Block(*block)
+
+
+def whole_block(value: object) -> Block | None:
+    """The block if ``value`` is a contiguous numpy array whose bytes are
+    exactly that block (what :func:`seal` can turn into a spill file)."""
+    found = _data_range(value)
+    if found is None:
+        return None
+    address, nbytes = found
+    block = _core.born_block(address)
+    if block is None:
+        return None
+    b = Block(*block)
+    if b.start != address or b.length != nbytes:
+        return None
+    return b
+
+
+def file_prefix(header: dict, payload: int) -> bytes | None:
+    """The bytes that make a block of ``payload`` bytes a valid spill file
+    ``[msgpack(header), payload]`` in ``rust/format.rs``'s layout: frame
+    table, then ``header`` padded (an extra ``born-padding`` entry, ignored by
+    deserializers) so that the payload frame starts exactly at
+    ``born_header_size()``. None if the header does not fit or the payload is
+    too small to be an aligned frame."""
+    page = _core.born_header_size()
+    if payload < _core.FRAME_ALIGN_MIN_LEN:
+        return None
+    table_len = len(_MAGIC) + 4 + 8 * 2
+    # The header frame is packed right after the table (it is shorter than
+    # FRAME_ALIGN_MIN_LEN); the payload frame starts at the next alignment
+    # boundary after it, which must be the page: table_len + h == page.
+    wanted = page - table_len
+    if wanted >= _core.FRAME_ALIGN_MIN_LEN:
+        return None
+    encoded = msgpack.dumps(header, use_bin_type=True)
+    if len(encoded) > wanted:
+        return None
+    padded = dict(header)
+    pad = 0
+    for _ in range(4):  # the pad's own length prefix may grow by a byte or two
+        padded[_PAD_KEY] = b"\0" * pad
+        encoded = msgpack.dumps(padded, use_bin_type=True)
+        if len(encoded) == wanted:
+            break
+        pad = max(pad + wanted - len(encoded), 0)
+    if not (wanted - _ALIGN < len(encoded) <= wanted):
+        return None
+    prefix = _MAGIC + struct.pack("<IQQ", 2, len(encoded), payload) + encoded
+    assert _align(len(prefix)) == page
+    return prefix
+
+
+def header_size() -> int:
+    """Bytes in front of a block's data in its file: what sealing writes."""
+    return _core.born_header_size()
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def seal(value: object, header: dict) -> str | None:
+    """Make the block holding ``value`` (a whole-block numpy array, see
+    :func:`whole_block`) a complete spill file holding ``header`` and the
+    array's bytes, immutable from now on (the owner's later writes are
+    private copy-on-write). ``header`` is what
+    :func:`dask_shm.spill_store.serialize_unsplit` gives for ``value``.
+    Returns the file's path, or None if ``value`` is not a whole block, the
+    header does not fit, or the block was sealed with another header (the
+    caller then writes a file the ordinary way). Raises OSError when the
+    system refuses (the block is unchanged)."""
+    block = whole_block(value)
+    if block is None:
+        return None
+    prefix = file_prefix(header, block.length)
+    if prefix is None:
+        return None
+    try:
+        return _core.born_seal(block.start, block.length, prefix)
+    except (LookupError, FileExistsError):
+        return None
+
+
+def disown(value: object, new_path: str) -> None:
+    """The sealed file of ``value``'s block now lives (also) at ``new_path``:
+    the arena unlinks its own name and stops deleting the file on free.
+    Raises LookupError if ``value`` is not a sealed block."""
+    block = whole_block(value)
+    if block is None:
+        raise LookupError("not a born-shared array")
+    _core.born_disown(block.start, new_path)

@@ -1,0 +1,258 @@
+"""Arrays born shared on workers: the ``shm.shared-memory.born-*`` config,
+whether the root's tmpfs makes it pay off, and the worker plugin that runs
+every task through the arena (:mod:`.born`).
+
+Whether it pays off depends on the tmpfs: fresh tmpfs pages fault in 4 KiB
+units unless the file system serves huge pages, while numpy's ordinary large
+allocations get transparent huge pages. See :func:`huge_pages` and the
+README ("Arrays born shared").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import dask.config
+from dask.utils import parse_bytes
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from dask_shm import _core
+from dask_shm.shared import born, paths
+from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, stats
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+logger = logging.getLogger(__name__)
+
+
+def _mount_options(path: str, mounts: str = "/proc/mounts") -> list[str]:
+    """Options of the mount holding ``path`` (empty when unknown)."""
+    found = paths.filesystem_of(path, mounts)
+    if found is None:
+        return []
+    mount_point = found[0]
+    options: list[str] = []
+    try:
+        with open(mounts) as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 4 and paths._unescape_mount(fields[1]) == mount_point:
+                    options = fields[3].split(",")  # the last (top) mount wins
+    except OSError:
+        return []
+    return options
+
+
+def huge_pages(root: str, mounts: str = "/proc/mounts") -> bool:
+    """True when files on the tmpfs at ``root`` get transparent huge pages:
+    the mount says ``huge=always``, ``huge=within_size`` or ``huge=advise``
+    (the arena asks with ``madvise``), or the kernel forces them for every
+    tmpfs (``shmem_enabled`` is ``force``)."""
+    for option in _mount_options(root, mounts):
+        if option in ("huge=always", "huge=within_size", "huge=advise"):
+            return True
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            return "[force]" in f.read()
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class BornSettings:
+    """``shm.shared-memory.born-*`` config.
+
+    - ``born-shared``: ``auto`` (on when the root serves huge pages, see
+      :func:`huge_pages`), ``true`` or ``false``;
+    - ``born-threshold``: smallest allocation served from a file (1 MiB);
+    - ``born-budget``: most bytes in blocks at once per worker; ``auto`` is
+      the worker's memory limit, capped at half the root's free space.
+    """
+
+    mode: bool | Literal["auto"] = "auto"
+    threshold: int = DEFAULT_THRESHOLD
+    budget: int | Literal["auto"] = "auto"
+
+    @classmethod
+    def from_config(cls) -> BornSettings:
+        """Read the config. Raises ValueError naming the key and the accepted values."""
+        mode = dask.config.get("shm.shared-memory.born-shared", default="auto")
+        if mode not in (True, False, "auto"):
+            raise ValueError(
+                f"config shm.shared-memory.born-shared must be true, false or 'auto'; got {mode!r}"
+            )
+        threshold = _bytes("born-threshold", DEFAULT_THRESHOLD, minimum=1)
+        raw = dask.config.get("shm.shared-memory.born-budget", default="auto")
+        budget: int | Literal["auto"] = (
+            "auto" if raw == "auto" else _bytes("born-budget", raw, minimum=0)
+        )
+        return cls(mode, threshold, budget)
+
+    def enabled_for(self, root: str) -> bool:
+        return huge_pages(root) if self.mode == "auto" else bool(self.mode)
+
+    def budget_for(self, root: str, memory_limit: int | None) -> int:
+        if self.budget != "auto":
+            return self.budget
+        st = os.statvfs(root)
+        half_free = st.f_bavail * st.f_frsize // 2
+        return min(half_free, memory_limit) if memory_limit else half_free
+
+
+def _bytes(name: str, default: Any, minimum: int) -> int:
+    raw = dask.config.get(f"shm.shared-memory.{name}", default=default)
+    try:
+        if isinstance(raw, bool):
+            raise TypeError
+        value = parse_bytes(raw) if isinstance(raw, str) else int(raw)
+        if value < minimum:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"config shm.shared-memory.{name} must be a byte size >= {minimum} "
+            f"(e.g. 1 MiB); got {raw!r}"
+        ) from None
+    return value
+
+
+# -- workers ------------------------------------------------------------------------
+
+#: Workers of this process running their tasks through the arena (in-process
+#: clusters share one arena: the settings of the last one installed apply).
+_installed: set[int] = set()
+
+
+def install_on_worker(
+    worker: Worker,
+    directory: str,
+    *,
+    threshold: int,
+    budget: int,
+    budget_fn: Callable[[], int] | None = None,
+) -> None:
+    """Start the arena in ``directory`` and run every task of ``worker``
+    inside :func:`allocating` (its ``execute`` coroutine is wrapped; the
+    task's thread inherits the context). ``budget_fn``, if given, is asked
+    for the arena's byte budget before each task (e.g. what the tier-2
+    budget leaves). Undo with :func:`uninstall_from_worker`."""
+    born.start(directory, threshold=threshold, budget=budget)
+    if id(worker) in _installed:
+        return
+    original = worker.execute
+    max_blocks = born.default_max_blocks()
+
+    async def execute(key: Any, *, stimulus_id: str) -> Any:
+        try:
+            if budget_fn is not None:
+                _core.born_configure(directory, threshold, budget_fn(), max_blocks)
+            context: contextlib.AbstractContextManager = allocating()
+        except (OSError, ValueError, RuntimeError) as e:
+            # E.g. the directory was removed behind our back: the task runs on
+            # ordinary memory rather than failing.
+            logger.warning("dask-shm: arrays born shared off for %r: %s", key, e)
+            context = contextlib.nullcontext()
+        with context:
+            return await original(key, stimulus_id=stimulus_id)
+
+    execute.__wrapped__ = original  # type: ignore[attr-defined]
+    worker.execute = execute  # type: ignore[method-assign]
+    _installed.add(id(worker))
+
+
+def uninstall_from_worker(worker: Worker) -> None:
+    """Stop wrapping ``worker``'s tasks; stop the arena when no worker of this
+    process uses it any more (arrays already born stay valid)."""
+    if id(worker) not in _installed:
+        return
+    _installed.discard(id(worker))
+    if getattr(worker.execute, "__wrapped__", None) is not None:
+        del worker.execute  # the instance attribute; the class's method shows again
+    if not _installed:
+        born.stop()
+
+
+class BornSharedPlugin(WorkerPlugin):
+    """Arrays born shared on a worker in shared-memory mode (install it after
+    :class:`~dask_shm.shared.plugin.SharedMemoryPlugin`).
+
+    Follows :class:`BornSettings` (``shm.shared-memory.born-*``): with
+    ``born-shared: auto`` (the default) it turns on only when the root serves
+    huge pages, and otherwise logs why it stays off. Blocks go to a 0700
+    directory in this process's directory on the root (removed on teardown;
+    one left by a killed worker goes with its process directory). Their
+    bytes count as the worker's own memory (the monitor ignores shared pages,
+    so they are added back) until a store adopts them.
+
+    Raises ValueError at setup for an invalid config value.
+    """
+
+    name = "dask-shm-born-shared"
+    idempotent = True
+
+    def __init__(self, settings: BornSettings | None = None):
+        self.settings = settings
+
+    def setup(self, worker: Worker) -> None:
+        from dask_shm.shared.buffer import SharedSpillBuffer
+
+        settings = self.settings or BornSettings.from_config()
+        if id(worker) in _installed:
+            return  # already on (e.g. SharedMemoryPlugin turned it on from config)
+        buffer = worker.data
+        if not isinstance(buffer, SharedSpillBuffer):
+            logger.info("dask-shm: arrays born shared need shared-memory mode; off")
+            return
+        root = buffer.store.root
+        if not settings.enabled_for(root):
+            logger.info(
+                "dask-shm: arrays born shared stay off: %s serves no huge pages, and "
+                "fresh 4 KiB tmpfs pages make numpy slower than ordinary memory "
+                "(mount the root with huge=within_size, or set "
+                "shm.shared-memory.born-shared: true)",
+                root,
+            )
+            return
+        try:
+            _core.born_handler()
+        except (RuntimeError, ImportError) as e:
+            logger.warning("dask-shm: arrays born shared need numpy >= 1.22 (%s); off", e)
+            return
+        self._directory = paths.subdir(root, f"born-{uuid.uuid4().hex[:12]}")
+        budget = settings.budget_for(root, worker.memory_manager.memory_limit)
+        tier2 = buffer.store.tiers.budget
+
+        def room() -> int:
+            # Blocks and tier-2 files share the tier-2 budget.
+            return max(0, min(budget, tier2.limit - tier2.used))
+
+        install_on_worker(
+            worker, self._directory, threshold=settings.threshold, budget=room(), budget_fn=room
+        )
+        self._monitor = worker.monitor.get_process_memory
+
+        def process_memory() -> int:
+            return self._monitor() + stats()["owned_bytes"]
+
+        worker.monitor.get_process_memory = process_memory  # type: ignore[method-assign]
+        logger.info(
+            "dask-shm: arrays of %s bytes or more born shared on %s (%s)",
+            settings.threshold,
+            worker.address,
+            self._directory,
+        )
+
+    def teardown(self, worker: Worker) -> None:
+        directory = getattr(self, "_directory", None)
+        if directory is None:
+            return
+        uninstall_from_worker(worker)
+        worker.monitor.get_process_memory = self._monitor  # type: ignore[method-assign]
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,850 @@
+//! Arrays born shared: large allocations served from mappings of files on a
+//! tmpfs, so that the bytes of a freshly computed array already live in a
+//! file that a same-host peer can hard-link and that spilling need not copy.
+//!
+//! One [`Arena`] hands out *blocks*. A block of `len` bytes is a file
+//! `<directory>/<n>` created `0600` with `O_EXCL|O_NOFOLLOW`, sized
+//! `header + len` bytes, whose bytes from offset `header` (one page) are
+//! mapped `MAP_SHARED` read-write; the address of that mapping is what the
+//! allocator returns. The first page of the file is left for a spill-file
+//! header (see `dask_shm.shared.born`), so a block can become a complete
+//! spill file by writing that header only.
+//!
+//! Lifecycle:
+//! - [`Arena::alloc`] refuses (returns `None`, the caller uses ordinary
+//!   memory) below the threshold, over the byte budget, over the block
+//!   budget (each block is one kernel mapping, counted against
+//!   `vm.max_map_count`), or when any system call fails (e.g. tmpfs full).
+//! - [`Arena::free`] unmaps and unlinks the block's own name. A file that
+//!   something else linked meanwhile (a spill store, a peer) lives on.
+//! - [`Arena::seal`] writes the header and replaces the block's mapping in
+//!   place by a `MAP_PRIVATE` mapping of the same file at the same address:
+//!   later writes by the owner are copy-on-write and never reach the file,
+//!   which is immutable from then on.
+//!
+//! Nothing here touches Python: the numpy allocator callbacks
+//! (`born_py.rs`) call these methods without the GIL.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// The system page size (the offset of a block's bytes inside its file).
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+/// One live block.
+#[derive(Debug, Clone)]
+struct Block {
+    path: PathBuf,
+    /// Bytes asked for (the file holds `header + len` bytes).
+    len: usize,
+    /// Length of the mapping (`len` rounded up to pages).
+    map_len: usize,
+    /// The header written by [`Arena::seal`]; `Some` once sealed.
+    sealed: Option<Vec<u8>>,
+    /// False once [`Arena::disown`] gave the file to someone else: `free`
+    /// then leaves it alone.
+    owned: bool,
+}
+
+/// What [`Arena::lookup`] tells about a block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockInfo {
+    pub path: PathBuf,
+    pub start: usize,
+    pub len: usize,
+    pub sealed: bool,
+    pub owned: bool,
+}
+
+/// Counters, for tests, metrics and benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub blocks: usize,
+    pub bytes: usize,
+    /// Mapped bytes of blocks whose file is still only the arena's.
+    pub owned_bytes: usize,
+    pub allocated: u64,
+    pub freed: u64,
+    pub sealed: u64,
+    pub refused_budget: u64,
+    pub refused_blocks: u64,
+    pub refused_error: u64,
+}
+
+#[derive(Debug)]
+struct State {
+    directory: Option<PathBuf>,
+    blocks: BTreeMap<usize, Block>,
+    /// Mapped bytes of the blocks whose file is still ours, plus
+    /// reservations in progress: what the byte budget limits.
+    bytes: usize,
+    /// Blocks plus reservations in progress.
+    count: usize,
+}
+
+/// Allocation settings; see [`Arena::configure`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// Directory for new blocks (0700, on a tmpfs); `None` disables the arena.
+    pub directory: Option<PathBuf>,
+    /// Smallest allocation served from a file, in bytes.
+    pub threshold: usize,
+    /// Most bytes in blocks whose file is still the arena's (not disowned);
+    /// beyond, allocations use ordinary memory.
+    pub budget: usize,
+    /// Most blocks (mappings) at any time.
+    pub max_blocks: usize,
+    /// Reserve a block's pages with `fallocate` when it is made, so that a full
+    /// tmpfs refuses the allocation instead of killing the process with
+    /// SIGBUS on a later page fault.
+    pub reserve: bool,
+}
+
+/// A thread-safe allocator of file-backed blocks. `const`-constructible so
+/// that the process-wide instance can be a plain `static`.
+#[derive(Debug)]
+pub struct Arena {
+    state: Mutex<State>,
+    /// Blocks alive: lets `free` of a pointer that cannot be ours skip the lock.
+    live: AtomicUsize,
+    threshold: AtomicUsize,
+    budget: AtomicUsize,
+    max_blocks: AtomicUsize,
+    reserve: AtomicBool,
+    next_id: AtomicU64,
+    allocated: AtomicU64,
+    freed: AtomicU64,
+    sealed: AtomicU64,
+    refused_budget: AtomicU64,
+    refused_blocks: AtomicU64,
+    refused_error: AtomicU64,
+}
+
+impl Default for Arena {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Result of [`Arena::realloc`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Realloc {
+    /// The pointer is not one of our blocks: the caller reallocates it.
+    NotOurs,
+    /// The block now lives at this address (possibly the same).
+    Moved(usize),
+    /// The block must leave the arena (below the threshold, over budget, or
+    /// sealed): the caller allocates `new_len` bytes elsewhere, copies
+    /// `copy` bytes from the old address, then calls [`Arena::free`] on it.
+    CopyOut { copy: usize },
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn cpath(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput.into())
+}
+
+fn check(rc: libc::c_int) -> io::Result<()> {
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// An open file descriptor closed on drop.
+struct Fd(libc::c_int);
+
+impl Drop for Fd {
+    fn drop(&mut self) {
+        // SAFETY: we own the descriptor.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+fn open(path: &Path, flags: libc::c_int) -> io::Result<Fd> {
+    let c = cpath(path)?;
+    // SAFETY: `c` is a valid NUL-terminated path.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o600,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Fd(fd))
+}
+
+fn unlink(path: &Path) {
+    if let Ok(c) = cpath(path) {
+        // SAFETY: valid path; a failure (already gone) is of no consequence.
+        unsafe { libc::unlink(c.as_ptr()) };
+    }
+}
+
+/// Size the file to `header + len` and, if asked, make tmpfs allocate the
+/// pages of `[header + from, header + len)` now.
+fn size_file(fd: &Fd, header: usize, from: usize, len: usize, reserve: bool) -> io::Result<()> {
+    // SAFETY: plain system calls on a descriptor we own.
+    check(unsafe { libc::ftruncate(fd.0, (header + len) as libc::off_t) })?;
+    if reserve && len > from {
+        let rc = unsafe {
+            libc::fallocate(
+                fd.0,
+                0,
+                (header + from) as libc::off_t,
+                (len - from) as libc::off_t,
+            )
+        };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            // A file system without fallocate: go on unreserved.
+            if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Arena {
+    pub const fn new() -> Arena {
+        Arena {
+            state: Mutex::new(State {
+                directory: None,
+                blocks: BTreeMap::new(),
+                bytes: 0,
+                count: 0,
+            }),
+            live: AtomicUsize::new(0),
+            threshold: AtomicUsize::new(usize::MAX),
+            budget: AtomicUsize::new(0),
+            max_blocks: AtomicUsize::new(0),
+            reserve: AtomicBool::new(true),
+            next_id: AtomicU64::new(0),
+            allocated: AtomicU64::new(0),
+            freed: AtomicU64::new(0),
+            sealed: AtomicU64::new(0),
+            refused_budget: AtomicU64::new(0),
+            refused_blocks: AtomicU64::new(0),
+            refused_error: AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes in front of a block's data inside its file (one page).
+    pub fn header_size(&self) -> usize {
+        page_size()
+    }
+
+    /// Apply new settings. Live blocks keep their files; new blocks go to the
+    /// new directory. `directory: None` stops serving new blocks.
+    pub fn configure(&self, settings: &Settings) {
+        let mut st = lock(&self.state);
+        st.directory = settings.directory.clone();
+        self.threshold.store(
+            if settings.directory.is_some() {
+                settings.threshold.max(1)
+            } else {
+                usize::MAX
+            },
+            Ordering::Relaxed,
+        );
+        self.budget.store(settings.budget, Ordering::Relaxed);
+        self.max_blocks
+            .store(settings.max_blocks, Ordering::Relaxed);
+        self.reserve.store(settings.reserve, Ordering::Relaxed);
+    }
+
+    /// Smallest size served from a file (`usize::MAX` when disabled).
+    pub fn threshold(&self) -> usize {
+        self.threshold.load(Ordering::Relaxed)
+    }
+
+    /// A new block of `len` bytes (all zero), or `None` when it must come
+    /// from ordinary memory: below the threshold, over a budget, or a system
+    /// call failed (counted in [`Stats`]; the reason is not an error).
+    pub fn alloc(&self, len: usize) -> Option<usize> {
+        if len < self.threshold() || len == 0 {
+            return None;
+        }
+        let page = page_size();
+        let map_len = round_up(len, page);
+        let directory = {
+            let mut st = lock(&self.state);
+            let directory = st.directory.clone()?;
+            if st.count >= self.max_blocks.load(Ordering::Relaxed) {
+                self.refused_blocks.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            if st.bytes.saturating_add(map_len) > self.budget.load(Ordering::Relaxed) {
+                self.refused_budget.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            st.bytes += map_len;
+            st.count += 1;
+            directory
+        };
+        // File creation and mapping run outside the lock: they take tens of
+        // microseconds and other threads allocate meanwhile.
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let path = directory.join(id.to_string());
+        match self.make(&path, len, map_len, page) {
+            Ok(addr) => {
+                let mut st = lock(&self.state);
+                st.blocks.insert(
+                    addr,
+                    Block {
+                        path,
+                        len,
+                        map_len,
+                        sealed: None,
+                        owned: true,
+                    },
+                );
+                self.live.fetch_add(1, Ordering::Release);
+                self.allocated.fetch_add(1, Ordering::Relaxed);
+                Some(addr)
+            }
+            Err(_) => {
+                let mut st = lock(&self.state);
+                st.bytes -= map_len;
+                st.count -= 1;
+                self.refused_error.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    fn make(&self, path: &Path, len: usize, map_len: usize, page: usize) -> io::Result<usize> {
+        let fd = open(path, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)?;
+        let mapped =
+            size_file(&fd, page, 0, len, self.reserve.load(Ordering::Relaxed)).and_then(|()| {
+                // SAFETY: a fresh shared mapping of a file we own; nothing else
+                // refers to the address range yet.
+                let addr = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        map_len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_SHARED,
+                        fd.0,
+                        page as libc::off_t,
+                    )
+                };
+                if addr == libc::MAP_FAILED {
+                    return Err(io::Error::last_os_error());
+                }
+                // Huge pages where the tmpfs offers them on request
+                // (`huge=advise`); 4 KiB faults cost ~10x more. Best effort.
+                // SAFETY: advice on our own fresh mapping.
+                unsafe { libc::madvise(addr, map_len, libc::MADV_HUGEPAGE) };
+                Ok(addr as usize)
+            });
+        if mapped.is_err() {
+            unlink(path);
+        }
+        mapped
+    }
+
+    /// Unmap and unlink the block at `addr`. Returns false (and does nothing)
+    /// if `addr` is not the start of a live block.
+    pub fn free(&self, addr: usize) -> bool {
+        if self.live.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let block = {
+            let mut st = lock(&self.state);
+            let Some(block) = st.blocks.remove(&addr) else {
+                return false;
+            };
+            if block.owned {
+                st.bytes -= block.map_len;
+            }
+            st.count -= 1;
+            self.live.fetch_sub(1, Ordering::Release);
+            block
+        };
+        // SAFETY: the range is our mapping, and the caller gave up the block.
+        unsafe { libc::munmap(addr as *mut libc::c_void, block.map_len) };
+        if block.owned {
+            unlink(&block.path);
+        }
+        self.freed.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Resize the block at `addr` to `new_len` bytes; see [`Realloc`]. A block
+    /// that stays in the arena keeps its file (grown or shrunk, new bytes
+    /// zero) and is remapped, moving only if the kernel must.
+    pub fn realloc(&self, addr: usize, new_len: usize) -> Realloc {
+        if self.live.load(Ordering::Acquire) == 0 {
+            return Realloc::NotOurs;
+        }
+        let page = page_size();
+        let new_map = round_up(new_len.max(1), page);
+        let mut st = lock(&self.state);
+        let Some(block) = st.blocks.get(&addr) else {
+            return Realloc::NotOurs;
+        };
+        let copy = block.len.min(new_len);
+        let grow = new_map.saturating_sub(block.map_len);
+        if block.sealed.is_some()
+            || new_len < self.threshold()
+            || st.bytes.saturating_add(grow) > self.budget.load(Ordering::Relaxed)
+        {
+            return Realloc::CopyOut { copy };
+        }
+        let block = st.blocks.remove(&addr).expect("looked up above");
+        // The lock is held through the remap: this block is out of the map,
+        // and a concurrent `alloc` must not be granted the bytes we grow by.
+        let moved = (|| -> io::Result<usize> {
+            let fd = open(&block.path, libc::O_RDWR)?;
+            if new_len > block.len {
+                size_file(
+                    &fd,
+                    page,
+                    block.len,
+                    new_len,
+                    self.reserve.load(Ordering::Relaxed),
+                )?;
+            }
+            // SAFETY: remapping our own mapping; the caller gave it up.
+            let to = unsafe {
+                libc::mremap(
+                    addr as *mut libc::c_void,
+                    block.map_len,
+                    new_map,
+                    libc::MREMAP_MAYMOVE,
+                )
+            };
+            if to == libc::MAP_FAILED {
+                return Err(io::Error::last_os_error());
+            }
+            if new_len < block.len {
+                // Shrink the file after the mapping so no page we map is cut.
+                size_file(&fd, page, 0, new_len, false)?;
+            }
+            Ok(to as usize)
+        })();
+        match moved {
+            Ok(to) => {
+                st.bytes = st.bytes + new_map - block.map_len;
+                st.blocks.insert(
+                    to,
+                    Block {
+                        len: new_len,
+                        map_len: new_map,
+                        ..block
+                    },
+                );
+                Realloc::Moved(to)
+            }
+            Err(_) => {
+                st.blocks.insert(addr, block);
+                Realloc::CopyOut { copy }
+            }
+        }
+    }
+
+    /// The block containing `addr`, if any.
+    pub fn lookup(&self, addr: usize) -> Option<BlockInfo> {
+        if self.live.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let st = lock(&self.state);
+        let (&start, block) = st.blocks.range(..=addr).next_back()?;
+        if addr >= start + block.len.max(1) {
+            return None;
+        }
+        Some(BlockInfo {
+            path: block.path.clone(),
+            start,
+            len: block.len,
+            sealed: block.sealed.is_some(),
+            owned: block.owned,
+        })
+    }
+
+    /// Hand the sealed block at `addr`'s file over: its own name is unlinked
+    /// (the caller linked the file elsewhere, e.g. into a spill store, as
+    /// `new_path`), later look-ups report `new_path`, and `free` only unmaps.
+    /// Errors: `NotFound` if no sealed block starts at `addr`.
+    pub fn disown(&self, addr: usize, new_path: &Path) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        let block = match st.blocks.get_mut(&addr) {
+            Some(b) if b.sealed.is_some() => b,
+            _ => return Err(io::ErrorKind::NotFound.into()),
+        };
+        if block.owned {
+            unlink(&block.path);
+            let freed = block.map_len;
+            block.path = new_path.to_path_buf();
+            block.owned = false;
+            // Its bytes are the new holder's to account (and budget) now.
+            st.bytes -= freed;
+        } else {
+            block.path = new_path.to_path_buf();
+        }
+        Ok(())
+    }
+
+    /// Make the block at `addr` (exactly `len` bytes) a complete, immutable
+    /// file: write `header` (at most [`Arena::header_size`] bytes) at the
+    /// start of the file, then replace the writable shared mapping by a
+    /// private copy-on-write mapping of the same file at the same address.
+    /// Sealing again with the same header is a no-op; returns the file path.
+    ///
+    /// Errors: `NotFound` if `addr`/`len` is not exactly a live block,
+    /// `InvalidInput` if the header is too long, `AlreadyExists` if the block
+    /// was sealed with another header (its file may already be shared), or
+    /// the system call's error (the block is then unchanged and still
+    /// usable; if the remap itself fails the range keeps its old mapping
+    /// unless the kernel dropped it, which it does only for lack of memory).
+    pub fn seal(&self, addr: usize, len: usize, header: &[u8]) -> io::Result<PathBuf> {
+        let page = page_size();
+        if header.len() > page {
+            return Err(io::ErrorKind::InvalidInput.into());
+        }
+        let mut st = lock(&self.state);
+        let block = match st.blocks.get_mut(&addr) {
+            Some(b) if b.len == len => b,
+            _ => return Err(io::ErrorKind::NotFound.into()),
+        };
+        if let Some(done) = &block.sealed {
+            return if done.as_slice() == header {
+                Ok(block.path.clone())
+            } else {
+                Err(io::ErrorKind::AlreadyExists.into())
+            };
+        }
+        let fd = open(&block.path, libc::O_RDWR)?;
+        let mut padded = header.to_vec();
+        padded.resize(page, 0);
+        // SAFETY: writing our buffer to our descriptor.
+        let n = unsafe { libc::pwrite(fd.0, padded.as_ptr().cast(), page, 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n as usize != page {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        // MAP_FIXED replaces the shared mapping atomically: a thread reading
+        // the array meanwhile sees the same bytes either way (the shared
+        // mapping's writes are in the file the private one reads).
+        // SAFETY: the range is exactly our block's mapping.
+        let to = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                block.map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_FIXED,
+                fd.0,
+                page as libc::off_t,
+            )
+        };
+        if to == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        block.sealed = Some(header.to_vec());
+        self.sealed.fetch_add(1, Ordering::Relaxed);
+        Ok(block.path.clone())
+    }
+
+    pub fn stats(&self) -> Stats {
+        let st = lock(&self.state);
+        Stats {
+            blocks: st.blocks.len(),
+            bytes: st.blocks.values().map(|b| b.map_len).sum(),
+            owned_bytes: st
+                .blocks
+                .values()
+                .filter(|b| b.owned)
+                .map(|b| b.map_len)
+                .sum(),
+            allocated: self.allocated.load(Ordering::Relaxed),
+            freed: self.freed.load(Ordering::Relaxed),
+            sealed: self.sealed.load(Ordering::Relaxed),
+            refused_budget: self.refused_budget.load(Ordering::Relaxed),
+            refused_blocks: self.refused_blocks.load(Ordering::Relaxed),
+            refused_error: self.refused_error.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Directory new blocks go to, if enabled.
+    pub fn directory(&self) -> Option<PathBuf> {
+        lock(&self.state).directory.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn tmpfs_dir() -> tempfile::TempDir {
+        let base = Path::new("/dev/shm");
+        if base.is_dir() {
+            tempfile::tempdir_in(base).unwrap()
+        } else {
+            tempfile::tempdir().unwrap()
+        }
+    }
+
+    fn arena(dir: &Path, threshold: usize, budget: usize, max_blocks: usize) -> Arena {
+        let a = Arena::new();
+        a.configure(&Settings {
+            directory: Some(dir.to_path_buf()),
+            threshold,
+            budget,
+            max_blocks,
+            reserve: true,
+        });
+        a
+    }
+
+    unsafe fn bytes<'a>(addr: usize, len: usize) -> &'a mut [u8] {
+        std::slice::from_raw_parts_mut(addr as *mut u8, len)
+    }
+
+    #[test]
+    fn below_threshold_and_disabled_refuse() {
+        let d = tmpfs_dir();
+        let a = arena(d.path(), 1 << 20, 1 << 30, 100);
+        assert_eq!(a.alloc((1 << 20) - 1), None);
+        assert_eq!(a.alloc(0), None);
+        let off = Arena::new();
+        assert_eq!(off.alloc(1 << 30), None);
+        assert_eq!(a.stats().blocks, 0);
+    }
+
+    #[test]
+    fn alloc_maps_a_private_zeroed_file_and_free_unlinks_it() {
+        let d = tmpfs_dir();
+        let a = arena(d.path(), 4096, 1 << 30, 100);
+        let len = 3 * 4096 + 17;
+        let addr = a.alloc(len).unwrap();
+        let info = a.lookup(addr + 5).unwrap();
+        assert_eq!((info.start, info.len, info.sealed), (addr, len, false));
+        let meta = fs::symlink_metadata(&info.path).unwrap();
+        assert_eq!(meta.len() as usize, a.header_size() + len);
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        let data = unsafe { bytes(addr, len) };
+        assert!(data.iter().all(|&b| b == 0));
+        data[len - 1] = 7;
+        // The write went to the file (MAP_SHARED).
+        let on_disk = fs::read(&info.path).unwrap();
+        assert_eq!(on_disk[a.header_size() + len - 1], 7);
+        assert!(a.lookup(addr + len).is_none());
+        assert!(a.free(addr));
+        assert!(!info.path.exists());
+        assert!(!a.free(addr));
+        let s = a.stats();
+        assert_eq!((s.blocks, s.bytes, s.allocated, s.freed), (0, 0, 1, 1));
+    }
+
+    #[test]
+    fn free_keeps_a_file_linked_elsewhere() {
+        let d = tmpfs_dir();
+        let a = arena(d.path(), 4096, 1 << 30, 100);
+        let addr = a.alloc(8192).unwrap();
+        unsafe { bytes(addr, 8192)[0] = 42 };
+        let info = a.lookup(addr).unwrap();
+        let kept = d.path().join("kept");
+        fs::hard_link(&info.path, &kept).unwrap();
+        assert!(a.free(addr));
+        assert_eq!(fs::read(&kept).unwrap()[a.header_size()], 42);
+    }
+
+    #[test]
+    fn budget_and_block_limits_refuse() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = arena(d.path(), page, 4 * page, 4);
+        let x = a.alloc(2 * page).unwrap();
+        assert_eq!(a.alloc(3 * page), None);
+        assert_eq!(a.stats().refused_budget, 1);
+        let y = a.alloc(page).unwrap();
+        let z = a.alloc(page).unwrap();
+        assert_eq!(a.alloc(page), None);
+        assert_eq!(a.stats().refused_budget, 2);
+        a.free(z);
+        a.configure(&Settings {
+            directory: Some(d.path().to_path_buf()),
+            threshold: page,
+            budget: 1 << 30,
+            max_blocks: 2,
+            reserve: true,
+        });
+        assert_eq!(a.alloc(page), None);
+        assert_eq!(a.stats().refused_blocks, 1);
+        a.free(x);
+        a.free(y);
+        assert_eq!(a.stats().bytes, 0);
+    }
+
+    #[test]
+    fn failing_directory_refuses_without_leaking_budget() {
+        let d = tmpfs_dir();
+        let a = arena(&d.path().join("missing"), 4096, 1 << 20, 10);
+        assert_eq!(a.alloc(8192), None);
+        let s = a.stats();
+        assert_eq!((s.refused_error, s.bytes), (1, 0));
+        assert_eq!(lock(&a.state).bytes, 0);
+    }
+
+    #[test]
+    fn realloc_grows_and_shrinks_in_place_keeping_bytes() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = arena(d.path(), page, 1 << 30, 100);
+        let addr = a.alloc(2 * page).unwrap();
+        unsafe { bytes(addr, 2 * page).fill(9) };
+        let Realloc::Moved(to) = a.realloc(addr, 10 * page + 3) else {
+            panic!("expected a remap")
+        };
+        let grown = unsafe { bytes(to, 10 * page + 3) };
+        assert!(grown[..2 * page].iter().all(|&b| b == 9));
+        assert!(grown[2 * page..].iter().all(|&b| b == 0));
+        let info = a.lookup(to).unwrap();
+        assert_eq!(info.len, 10 * page + 3);
+        assert_eq!(
+            fs::metadata(&info.path).unwrap().len() as usize,
+            page + 10 * page + 3
+        );
+        let Realloc::Moved(to2) = a.realloc(to, 3 * page) else {
+            panic!("expected a remap")
+        };
+        assert!(unsafe { bytes(to2, 3 * page) }[..2 * page]
+            .iter()
+            .all(|&b| b == 9));
+        assert_eq!(a.stats().bytes, 3 * page);
+        // Below the threshold: the caller copies out.
+        assert_eq!(
+            a.realloc(to2, page - 1),
+            Realloc::CopyOut { copy: page - 1 }
+        );
+        assert_eq!(a.realloc(12345, page), Realloc::NotOurs);
+        assert!(a.free(to2));
+    }
+
+    #[test]
+    fn seal_protects_the_file_from_the_owner() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = arena(d.path(), page, 1 << 30, 100);
+        let len = 5 * page;
+        let addr = a.alloc(len).unwrap();
+        let data = unsafe { bytes(addr, len) };
+        data.fill(1);
+        let path = a.seal(addr, len, b"HEADER").unwrap();
+        assert!(a.lookup(addr).unwrap().sealed);
+        // The owner still reads its bytes, and may write them...
+        assert!(data.iter().all(|&b| b == 1));
+        data[0] = 2;
+        data[len - 1] = 3;
+        // ...but the file (what a peer links) never changes.
+        let file = fs::read(&path).unwrap();
+        assert_eq!(&file[..6], b"HEADER");
+        assert!(file[6..page].iter().all(|&b| b == 0));
+        assert!(file[page..].iter().all(|&b| b == 1));
+        assert_eq!(data[0], 2);
+        // Same header again: fine. Another: refused. Wrong length: not found.
+        assert_eq!(a.seal(addr, len, b"HEADER").unwrap(), path);
+        assert_eq!(
+            a.seal(addr, len, b"OTHER").unwrap_err().kind(),
+            io::ErrorKind::AlreadyExists
+        );
+        assert_eq!(
+            a.seal(addr, len - 1, b"HEADER").unwrap_err().kind(),
+            io::ErrorKind::NotFound
+        );
+        // A sealed block leaves the arena on realloc.
+        assert_eq!(a.realloc(addr, 6 * page), Realloc::CopyOut { copy: len });
+        let linked = d.path().join("peer");
+        fs::hard_link(&path, &linked).unwrap();
+        assert!(a.free(addr));
+        assert_eq!(fs::metadata(&linked).unwrap().nlink(), 1);
+        assert!(fs::read(&linked).unwrap()[page..].iter().all(|&b| b == 1));
+    }
+
+    #[test]
+    fn disown_hands_the_file_over() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = arena(d.path(), page, 1 << 30, 100);
+        let addr = a.alloc(page).unwrap();
+        let store = d.path().join("store-copy");
+        assert_eq!(
+            a.disown(addr, &store).unwrap_err().kind(),
+            io::ErrorKind::NotFound
+        );
+        let path = a.seal(addr, page, b"H").unwrap();
+        fs::hard_link(&path, &store).unwrap();
+        assert_eq!(a.stats().owned_bytes, page);
+        a.disown(addr, &store).unwrap();
+        assert_eq!(lock(&a.state).bytes, 0); // no longer counts against the budget
+        assert!(!path.exists());
+        let info = a.lookup(addr).unwrap();
+        assert_eq!((info.path.as_path(), info.owned), (store.as_path(), false));
+        assert_eq!(a.stats().owned_bytes, 0);
+        assert!(a.free(addr));
+        assert!(store.exists());
+    }
+
+    #[test]
+    fn many_threads_allocate_write_and_free() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = std::sync::Arc::new(arena(d.path(), page, 64 * page, 1000));
+        let handles: Vec<_> = (0..8)
+            .map(|t| {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    let mut mine = 0;
+                    for i in 0..200 {
+                        let len = page * (1 + (i + t) % 4);
+                        if let Some(addr) = a.alloc(len) {
+                            let data = unsafe { bytes(addr, len) };
+                            data.fill(t as u8);
+                            assert!(data.iter().all(|&b| b == t as u8));
+                            assert_eq!(a.lookup(addr).unwrap().len, len);
+                            assert!(a.free(addr));
+                            mine += 1;
+                        }
+                    }
+                    mine
+                })
+            })
+            .collect();
+        let served: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        let s = a.stats();
+        assert_eq!((s.blocks, s.bytes), (0, 0));
+        assert_eq!(s.allocated, served);
+        assert_eq!(s.allocated, s.freed);
+        assert_eq!(fs::read_dir(d.path()).unwrap().count(), 0);
+    }
+}
