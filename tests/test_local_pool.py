@@ -309,3 +309,29 @@ def test_the_warm_pool_is_shut_down_at_exit(tmp_path: Path) -> None:
     pids = {int(p) for p in out.stdout.split()}
     assert len(pids) >= 1
     wait_gone(pids)
+
+
+def thread_variables(x: object) -> list[str | None]:
+    from dask_shm.local.pool import THREAD_VARIABLES
+
+    return [os.environ.get(name) for name in THREAD_VARIABLES]
+
+
+def test_pool_processes_share_the_cpus_between_their_blas_threads(
+    shm_base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """num_workers processes each running BLAS must not oversubscribe the
+    CPUs: unset thread variables get cpus // num_workers (at least 1) in the
+    pool only; a value the user set is kept."""
+    from dask.system import CPU_COUNT
+
+    from dask_shm.local.pool import THREAD_VARIABLES
+
+    for name in THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    share = str(max(1, CPU_COUNT // 2))
+    assert get({"x": (thread_variables, 1)}, "x", num_workers=2) == [share] * 3
+    assert [os.environ.get(name) for name in THREAD_VARIABLES] == [None] * 3
+    monkeypatch.setenv("MKL_NUM_THREADS", "7")  # a change starts another pool
+    assert get({"x": (thread_variables, 1)}, "x", num_workers=2) == [share, share, "7"]
+    assert get({"x": (thread_variables, 1)}, "x", num_workers=1) == [str(CPU_COUNT)] * 2 + ["7"]

@@ -18,6 +18,13 @@ pool is kept between computations, the way Ray keeps its workers:
 
 A new pool starts all its processes at once and has them import the transport
 right away, so that this overlaps with the parent's graph preparation.
+
+Threads of native libraries: each pool process starts with ``OMP_NUM_THREADS``,
+``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS`` set to ``max(1, cpus //
+num_workers)`` (the ones already set in the environment are left as they are),
+so that ``num_workers`` processes each running a BLAS call do not oversubscribe
+the CPUs. distributed's nanny (``distributed.nanny.pre-spawn-environ``) and Ray
+do the same for their worker processes; ``scheduler="processes"`` does not.
 """
 
 from __future__ import annotations
@@ -32,6 +39,11 @@ from functools import partial
 from typing import Any
 
 from dask.multiprocessing import get_context, initialize_worker_process
+from dask.system import CPU_COUNT
+
+#: Thread-count variables of OpenMP, OpenBLAS and MKL, read when they load.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_environ_lock = threading.Lock()
 
 
 def kill_pool(pool: ProcessPoolExecutor) -> None:
@@ -78,24 +90,48 @@ def _hash_seed() -> str:
     return os.environ["PYTHONHASHSEED"]
 
 
+@contextmanager
+def _thread_limits(num_workers: int) -> Iterator[None]:
+    """Set the unset :data:`THREAD_VARIABLES` in ``os.environ`` (inherited by
+    processes started meanwhile), and remove them again afterwards."""
+    threads = str(max(1, CPU_COUNT // num_workers))
+    with _environ_lock:
+        added = [name for name in THREAD_VARIABLES if name not in os.environ]
+        for name in added:
+            os.environ[name] = threads
+        try:
+            yield
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
+
+
 def new_pool(num_workers: int, initializer: Callable[[], None] | None) -> ProcessPoolExecutor:
     """A spawn (or ``multiprocessing.context``) pool as ``dask.multiprocessing.get``
-    makes it, with all ``num_workers`` processes started and importing the
-    transport."""
+    makes it, with all ``num_workers`` processes started (with the thread
+    limits of the module docstring) and importing the transport."""
     _hash_seed()
     pool = ProcessPoolExecutor(
         num_workers,
         mp_context=get_context(),
         initializer=partial(initialize_worker_process, user_initializer=initializer),
     )
-    # Each submit while no process is idle starts one more process.
-    for _ in range(num_workers):
-        pool.submit(_warm_up)
+    # Each submit while no process is idle starts one more process, at once
+    # (spawn and forkserver; fork starts them all on the first submit).
+    with _thread_limits(num_workers):
+        for _ in range(num_workers):
+            pool.submit(_warm_up)
     return pool
 
 
 def _key(num_workers: int, initializer: Callable[[], None] | None) -> tuple[Any, ...]:
-    return (num_workers, get_context().get_start_method(), initializer, _hash_seed())
+    return (
+        num_workers,
+        get_context().get_start_method(),
+        initializer,
+        _hash_seed(),
+        tuple(os.environ.get(name) for name in THREAD_VARIABLES),
+    )
 
 
 class _WarmPool:
