@@ -296,3 +296,47 @@ def test_peak_memory_sampler_sees_shared_memory() -> None:
             os.close(fd)
             os.unlink(path)
     assert mem.peak >= 60 * 2**20  # minus whatever this process freed meanwhile
+
+
+# --- starting: what a pool process imports, and a pool's first task -----------
+
+_IMPORTS = {
+    # What a pool process of scheduler="processes" imports to run a task, and
+    # what one of dask_shm.get imports (dask_shm's package face included).
+    "stock": "import dask.multiprocessing",
+    "ours": "import dask.multiprocessing, dask_shm.local.transport",
+    "dask_shm": "import dask_shm",
+}
+
+
+@pytest.mark.parametrize("impl", sorted(_IMPORTS))
+def test_pool_process_imports(benchmark: Any, impl: str) -> None:
+    """A fresh interpreter importing what a pool process needs (interpreter
+    start included)."""
+    import subprocess
+    import sys
+
+    benchmark.group = "pool process: fresh interpreter + imports"
+    cmd = [sys.executable, "-c", _IMPORTS[impl]]
+    benchmark.pedantic(
+        lambda: subprocess.run(cmd, check=True), rounds=5, iterations=1, warmup_rounds=1
+    )
+    BEST.setdefault(benchmark.group, {})[impl] = benchmark.stats.stats.min
+
+
+def _one_task() -> Any:
+    return dask.delayed(sum)([1, 2, 3])
+
+
+@pytest.mark.parametrize("impl", ["stock", "ours", "ours-cold"])
+def test_one_small_task(benchmark: Any, impl: str) -> None:
+    """``compute`` of one tiny task: a pool start for "stock" and "ours-cold",
+    a round trip to the warm pool for "ours"."""
+    scheduler = SCHEDULERS["processes" if impl == "stock" else impl]
+    benchmark.group = "one small task (pool start unless warm)"
+
+    def once() -> Any:
+        return dask.compute(_one_task(), scheduler=scheduler, num_workers=WORKERS)[0]
+
+    assert benchmark.pedantic(once, rounds=5, iterations=1, warmup_rounds=1) == 6
+    BEST.setdefault(benchmark.group, {})[impl] = benchmark.stats.stats.min
