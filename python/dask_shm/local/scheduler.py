@@ -77,8 +77,9 @@ def get(
     Use as ``dask.compute(x, scheduler=dask_shm.get)`` or
     ``dask.config.set(scheduler=dask_shm.get)``. Built on
     ``dask.local.get_async`` exactly like ``dask.multiprocessing.get`` (same
-    pool, ``spawn`` context by default, ``chunksize``, graph culling and
-    fusion); only what crosses to the pool differs: objects are pickled with
+    pool, ``spawn`` context by default, graph culling and fusion), but the
+    pool is kept warm between computations and what crosses to the pool
+    differs: objects are pickled with
     protocol 5 and every buffer of at least ``shm_threshold`` bytes is written
     once into a file of this computation's 0700 directory under ``/dev/shm``
     and mapped by whoever reads it (see :mod:`dask_shm.local.transport`).
@@ -117,8 +118,13 @@ def get(
         An existing ``concurrent.futures.Executor`` or ``multiprocessing.Pool``
         (also read from ``dask.config`` ``pool``). It is not shut down; on
         failure, running tasks are waited for before the files are removed.
-    initializer, chunksize, optimize_graph:
+    initializer, optimize_graph:
         As for ``dask.multiprocessing.get``.
+    chunksize:
+        Tasks sent to a pool process at once; default ``dask.config``
+        ``chunksize``, else 1 (stock's default, 6, amortizes pickling through
+        the pipe, which references to files do not need; batches of 6 leave a
+        process idle while the other works through its batch).
     cache:
         Mapping for intermediate results, e.g. a :class:`SpillCache`.
     memory_target:
@@ -149,7 +155,7 @@ def get(
             raise TypeError(f"dask_shm.get does its own serialization; {name} is not supported")
     threshold = config.shm_threshold(shm_threshold)
     target = config.memory_target(memory_target) if cache is None else None
-    chunksize = chunksize or dask_config.get("chunksize", 6)
+    chunksize = chunksize or dask_config.get("chunksize", 1)
     pool = pool or dask_config.get("pool", None)
     initializer = initializer or dask_config.get("multiprocessing.initializer", None)
     num_workers = num_workers or dask_config.get("num_workers", None) or CPU_COUNT
