@@ -42,6 +42,8 @@ import pytest
 
 from dask_shm.local import get, shutdown_pool
 
+pytestmark = pytest.mark.timeout(1800)  # minutes per row on a busy 2-core host
+
 WORKERS = 2
 N = 6000  # 6000 x 6000 float64: 288 MB
 CHUNK = 1500  # 1500 x 1500 float64: 18 MB
