@@ -1,12 +1,21 @@
-"""dask's local process-pool scheduler vs ``dask_shm.get``, side by side in one run.
+"""dask's local process-pool scheduler vs ``dask_shm.get`` vs Ray's dask
+scheduler, side by side in one run.
 
-Run: ``pytest benches/bench_local.py`` (time ratios are printed at the end by
-benches/conftest.py; peak memory ratios by this module).
+Run: ``pytest benches/bench_local.py`` (median time ratios are printed at the
+end by benches/conftest.py; best-of-3 times, their ratios to stock and to Ray,
+and peak memory ratios by this module).
 
 ``impl`` is "stock" for the stock scheduler the group compares against
-(``scheduler="processes"``, or ``"threads"`` for the GIL-bound group) and
-"ours" for ``dask_shm.get``; other stock schedulers run as extra rows for
-context. Every round creates its pool, as a real ``compute`` call does.
+(``scheduler="processes"``, or ``"threads"`` for the GIL-bound group), "ours"
+for ``dask_shm.get`` with its warm pool, "ours-cold" for ``dask_shm.get(...,
+warm=False)`` (a pool per computation, as stock), and "ray" for
+``ray.util.dask.ray_dask_get`` (Ray started once for the module with
+``num_cpus=2`` and a 2 GB object store for each of its tests, shut down
+after it; the rows are
+skipped with a message when ``ray`` is not installed: ``pip install ray``).
+Schedulers that keep their processes ("ours", "ray") get one untimed warm-up
+round, as Ray's ``ray.init`` is done beforehand; the others create their pool
+in every round, as a real ``compute`` call does.
 
 Peak memory is measured in one extra, untimed run: the largest value, sampled
 every 20 ms, of: the proportional set size (PSS) of this process and all its
@@ -31,18 +40,36 @@ import numpy as np
 import psutil
 import pytest
 
-from dask_shm.local import get
+from dask_shm.local import get, shutdown_pool
+
+pytestmark = pytest.mark.timeout(1800)  # minutes per row on a busy 2-core host
 
 WORKERS = 2
-N = 6144  # 6144 x 6144 float64: 302 MB
-CHUNK = 1536  # 1536 x 1536 float64: 18.9 MB
+N = 6000  # 6000 x 6000 float64: 288 MB
+CHUNK = 1500  # 1500 x 1500 float64: 18 MB
+ROUNDS = 3
+
+try:
+    import ray
+    from ray.util.dask import ray_dask_get
+except ImportError:  # the optional bench extra
+    ray = None
+    ray_dask_get = None
+
+
+def _cold(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    return get(dsk, keys, warm=False, **kwargs)
+
 
 SCHEDULERS: dict[str, Any] = {
     "ours": get,
+    "ours-cold": _cold,
+    "ray": ray_dask_get,
     "processes": "processes",
     "threads": "threads",
     "sync": "sync",
 }
+WARM = {"ours", "ray"}
 
 
 def _meminfo_shmem() -> int:
@@ -99,12 +126,23 @@ class PeakMemory:
 
 
 PEAKS: dict[str, dict[str, int]] = {}
+BEST: dict[str, dict[str, float]] = {}
 
 
 class _MemoryReport:
     """pytest plugin printing the peak memory table at the end of the run."""
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if BEST:
+            terminalreporter.write_sep("=", f"dask_shm.get: best of {ROUNDS} (wall time)")
+            for group, by_impl in sorted(BEST.items()):
+                stock, ray_best = by_impl.get("stock"), by_impl.get("ray")
+                for impl, best in sorted(by_impl.items()):
+                    vs_stock = f"{stock / best:6.2f}x faster than stock" if stock else ""
+                    vs_ray = f"{ray_best / best:6.2f}x Ray's speed" if ray_best else ""
+                    terminalreporter.write_line(
+                        f"{group:<40} {impl:<10} {best:8.2f} s  {vs_stock}  {vs_ray}"
+                    )
         if not PEAKS:
             return
         terminalreporter.write_sep(
@@ -126,16 +164,53 @@ def memory_report(request: pytest.FixtureRequest) -> None:
         manager.register(_MemoryReport(), "dask-shm-local-memory")
 
 
+@pytest.fixture
+def ray_cluster() -> Any:
+    """Ray with 2 CPUs and a small object store (the host is shared), for one
+    test, so that its processes do not run beside the other rows; None when
+    ray is not installed."""
+    if ray is None:
+        yield None
+        return
+    ray.init(
+        num_cpus=WORKERS,
+        object_store_memory=int(2e9),
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_warm_pool_left() -> Any:
+    yield
+    shutdown_pool()
+
+
+def scheduler_for(impl: str, request: pytest.FixtureRequest) -> Any:
+    if impl == "ray":
+        if request.getfixturevalue("ray_cluster") is None:
+            pytest.skip("ray is not installed (pip install ray): no Ray rows")
+    return SCHEDULERS[impl]
+
+
 def run(benchmark: Any, group: str, impl: str, scheduler: Any, make: Callable[[], Any]) -> Any:
-    """Time ``dask.compute(make(), scheduler=...)``, then measure its peak
-    memory in one more, untimed, run (sampling costs CPU on a small host)."""
+    """Time ``dask.compute(make(), scheduler=...)`` (best of ``ROUNDS``), then
+    measure its peak memory in one more, untimed, run (sampling costs CPU on a
+    small host)."""
     benchmark.group = group
 
     def once() -> Any:
         (result,) = dask.compute(make(), scheduler=scheduler, num_workers=WORKERS)
         return result
 
-    benchmark.pedantic(once, rounds=3, iterations=1, warmup_rounds=0)
+    warmup = 1 if impl in WARM else 0
+    benchmark.pedantic(once, rounds=ROUNDS, iterations=1, warmup_rounds=warmup)
+    BEST.setdefault(group, {})[impl] = benchmark.stats.stats.min
     with PeakMemory() as mem:
         result = once()
     benchmark.extra_info["peak_memory_bytes"] = mem.peak
@@ -148,9 +223,11 @@ def base_array() -> da.Array:
 
 
 def all_to_all() -> da.Array:
-    """Every output chunk needs a chunk from every row and column of blocks."""
+    """``(y @ y.T).sum(0)`` with ``y = (x + x.T) * 2``: every output block
+    needs every block of a row and of a column of ``y``."""
     x = base_array()
-    return (x + x.T).mean(axis=0)
+    y = (x + x.T) * 2
+    return (y @ y.T).sum(0)
 
 
 def numpy_heavy() -> da.Array:
@@ -183,23 +260,25 @@ def _check(name: str, make: Callable[[], Any], result: Any) -> None:
     np.testing.assert_allclose(result, _EXPECTED[name], rtol=1e-9)
 
 
-@pytest.mark.parametrize("impl", ["stock", "ours", "threads"])
-def test_all_to_all_array(benchmark: Any, impl: str) -> None:
-    scheduler = SCHEDULERS["processes" if impl == "stock" else impl]
-    result = run(benchmark, "all-to-all 302MB/19MB chunks", impl, scheduler, all_to_all)
+@pytest.mark.parametrize("impl", ["stock", "ours", "ours-cold", "ray", "threads"])
+def test_all_to_all_matmul(benchmark: Any, impl: str, request: pytest.FixtureRequest) -> None:
+    scheduler = scheduler_for("processes" if impl == "stock" else impl, request)
+    result = run(benchmark, "(y @ y.T).sum(0) 288MB/18MB chunks", impl, scheduler, all_to_all)
     _check("all_to_all", all_to_all, result)
 
 
-@pytest.mark.parametrize("impl", ["stock", "ours", "threads"])
-def test_numpy_heavy(benchmark: Any, impl: str) -> None:
-    scheduler = SCHEDULERS["processes" if impl == "stock" else impl]
-    result = run(benchmark, "numpy-heavy 302MB/19MB chunks", impl, scheduler, numpy_heavy)
+@pytest.mark.parametrize("impl", ["stock", "ours", "ray", "threads"])
+def test_numpy_heavy(benchmark: Any, impl: str, request: pytest.FixtureRequest) -> None:
+    scheduler = scheduler_for("processes" if impl == "stock" else impl, request)
+    result = run(benchmark, "numpy-heavy 288MB/18MB chunks", impl, scheduler, numpy_heavy)
     _check("numpy_heavy", numpy_heavy, result)
 
 
 @pytest.mark.parametrize("impl", ["stock", "ours", "processes"])
-def test_gil_bound_python_vs_threads(benchmark: Any, impl: str) -> None:
-    scheduler = SCHEDULERS["threads" if impl == "stock" else impl]
+def test_gil_bound_python_vs_threads(
+    benchmark: Any, impl: str, request: pytest.FixtureRequest
+) -> None:
+    scheduler = scheduler_for("threads" if impl == "stock" else impl, request)
     result = run(benchmark, "GIL-bound python (stock=threads)", impl, scheduler, python_heavy)
     _check("python_heavy", python_heavy, result)
 
@@ -219,3 +298,47 @@ def test_peak_memory_sampler_sees_shared_memory() -> None:
             os.close(fd)
             os.unlink(path)
     assert mem.peak >= 60 * 2**20  # minus whatever this process freed meanwhile
+
+
+# --- starting: what a pool process imports, and a pool's first task -----------
+
+_IMPORTS = {
+    # What a pool process of scheduler="processes" imports to run a task, and
+    # what one of dask_shm.get imports (dask_shm's package face included).
+    "stock": "import dask.multiprocessing",
+    "ours": "import dask.multiprocessing, dask_shm.local.transport",
+    "dask_shm": "import dask_shm",
+}
+
+
+@pytest.mark.parametrize("impl", sorted(_IMPORTS))
+def test_pool_process_imports(benchmark: Any, impl: str) -> None:
+    """A fresh interpreter importing what a pool process needs (interpreter
+    start included)."""
+    import subprocess
+    import sys
+
+    benchmark.group = "pool process: fresh interpreter + imports"
+    cmd = [sys.executable, "-c", _IMPORTS[impl]]
+    benchmark.pedantic(
+        lambda: subprocess.run(cmd, check=True), rounds=5, iterations=1, warmup_rounds=1
+    )
+    BEST.setdefault(benchmark.group, {})[impl] = benchmark.stats.stats.min
+
+
+def _one_task() -> Any:
+    return dask.delayed(sum)([1, 2, 3])
+
+
+@pytest.mark.parametrize("impl", ["stock", "ours", "ours-cold"])
+def test_one_small_task(benchmark: Any, impl: str) -> None:
+    """``compute`` of one tiny task: a pool start for "stock" and "ours-cold",
+    a round trip to the warm pool for "ours"."""
+    scheduler = SCHEDULERS["processes" if impl == "stock" else impl]
+    benchmark.group = "one small task (pool start unless warm)"
+
+    def once() -> Any:
+        return dask.compute(_one_task(), scheduler=scheduler, num_workers=WORKERS)[0]
+
+    assert benchmark.pedantic(once, rounds=5, iterations=1, warmup_rounds=1) == 6
+    BEST.setdefault(benchmark.group, {})[impl] = benchmark.stats.stats.min

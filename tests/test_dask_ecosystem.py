@@ -212,9 +212,30 @@ def test_a_hook_check_that_raises_counts_as_missing(monkeypatch):
     assert compat.missing_hooks() == [hook]
 
 
-def test_importing_dask_shm_gives_no_compat_warning():
+def test_first_distributed_facing_use_warns_about_a_missing_hook():
+    script = """
+import warnings
+import dask_shm, dask_shm.compat as compat
+compat.HOOKS = (*compat.HOOKS, compat.Hook("distributed.gone", "a feature", lambda: False))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    dask_shm.get  # the local scheduler needs no distributed internals
+    assert caught == [], caught
+    dask_shm.SpillBuffer
+    dask_shm.worker_data  # warned once per process
+names = [str(w.message) for w in caught if w.category is compat.DistributedCompatibilityWarning]
+assert len(names) == 1 and "distributed.gone (used by a feature)" in names[0], names
+"""
     proc = subprocess.run(
-        [sys.executable, "-W", "error::UserWarning", "-c", "import dask_shm"],
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_importing_dask_shm_gives_no_compat_warning():
+    code = "import dask_shm; dask_shm.SpillBuffer; dask_shm.dask_setup"
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", code],
         capture_output=True,
         text=True,
         timeout=60,

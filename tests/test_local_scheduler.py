@@ -33,7 +33,7 @@ from dask.callbacks import Callback
 from dask.multiprocessing import get_context
 
 from dask_shm._core import MappedRange
-from dask_shm.local import get
+from dask_shm.local import get, shutdown_pool
 from dask_shm.local.directory import ShmDirectory
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,6 +45,13 @@ BIG = 200_000  # float64 elements: 1.6 MB, far above the 64 KiB threshold
 def pool() -> Iterator[ProcessPoolExecutor]:
     with ProcessPoolExecutor(2, mp_context=get_context()) as executor:
         yield executor
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_warm_pool_left() -> Iterator[None]:
+    """The warm pool tests here create is shut down when the module is done."""
+    yield
+    shutdown_pool()
 
 
 @pytest.fixture
@@ -417,7 +424,7 @@ def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path, who
         f"""
         import pathlib, time
         import dask, numpy as np
-        from dask_shm.local import get
+        from dask_shm.local import get, shutdown_pool
 
         def big(seed):
             return np.random.default_rng(seed).random(500_000)
@@ -480,7 +487,7 @@ def test_directories_of_killed_computations_are_removed_by_the_next(
         f"""
         import pathlib, time
         import dask, numpy as np
-        from dask_shm.local import get
+        from dask_shm.local import get, shutdown_pool
 
         def big(seed):
             return np.random.default_rng(seed).random(500_000)

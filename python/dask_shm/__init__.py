@@ -13,29 +13,35 @@ Public API:
 - ``dask_shm.amm``, ``dask_shm.spans``: Active Memory Manager and span extensions.
 - :func:`dask_setup`: makes ``--preload dask_shm`` install everything the
   ``shm.*`` config switches enable.
+
+Importing the package loads only the Rust core and the ``shm`` config
+defaults. Every other name is imported on first access (PEP 562 module
+``__getattr__``), so that a process that needs one part, such as a pool
+process of :func:`get` that needs only the transport, does not import
+``distributed``, ``zict`` and every plugin. ``getattr(dask_shm, "dask_setup")``
+(how distributed's preload finds the hooks) and ``from dask_shm import X``
+work for every public name.
 """
 
 from __future__ import annotations
 
-from distributed.spill import SpilledSize
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from dask_shm._core import FileStore, SpillFileError
 from dask_shm._core import __version__ as __version__
-from dask_shm.compat import warn_if_hooks_missing
 from dask_shm.config import load_defaults
 
 load_defaults()
-warn_if_hooks_missing()
 
-from dask_shm.local import get  # noqa: E402
-from dask_shm.preload import dask_setup  # noqa: E402
-from dask_shm.shared import SharedMemoryNannyPlugin, SharedMemoryPlugin  # noqa: E402
-from dask_shm.spill import SpillBuffer  # noqa: E402
-from dask_shm.worker import (  # noqa: E402
-    SpillBufferPlugin,
-    spill_buffer_for_worker,
-    worker_data,
-)
+if TYPE_CHECKING:
+    from distributed.spill import SpilledSize
+
+    from dask_shm.local import get
+    from dask_shm.preload import dask_setup
+    from dask_shm.shared import SharedMemoryNannyPlugin, SharedMemoryPlugin
+    from dask_shm.spill import SpillBuffer
+    from dask_shm.worker import SpillBufferPlugin, spill_buffer_for_worker, worker_data
 
 __all__ = [
     "FileStore",
@@ -50,3 +56,58 @@ __all__ = [
     "spill_buffer_for_worker",
     "worker_data",
 ]
+
+#: Public name -> module defining it.
+_LAZY = {
+    "SharedMemoryNannyPlugin": "dask_shm.shared",
+    "SharedMemoryPlugin": "dask_shm.shared",
+    "SpillBuffer": "dask_shm.spill",
+    "SpillBufferPlugin": "dask_shm.worker",
+    "SpilledSize": "distributed.spill",
+    "dask_setup": "dask_shm.preload",
+    "get": "dask_shm.local",
+    "spill_buffer_for_worker": "dask_shm.worker",
+    "worker_data": "dask_shm.worker",
+}
+#: Subpackages reachable as attributes without importing them first.
+_SUBPACKAGES = frozenset({"amm", "demo", "local", "shared", "spans"})
+#: What works without distributed's internals (the local scheduler): the hook
+#: check (which imports distributed) is not run for these.
+_WITHOUT_DISTRIBUTED = frozenset({"get", "local"})
+_hooks_checked = False
+
+
+def _check_hooks_once() -> None:
+    """Warn (DistributedCompatibilityWarning) once per process if a
+    distributed internal that dask-shm hooks is missing: run when the first
+    distributed-facing name is used, not at import, so that processes that
+    need only the local scheduler's transport never import distributed."""
+    global _hooks_checked
+    if not _hooks_checked:
+        _hooks_checked = True
+        from dask_shm.compat import warn_if_hooks_missing
+
+        warn_if_hooks_missing()
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name (or subpackage) on first access and cache it.
+
+    Raises AttributeError for any other name, so ``getattr(dask_shm, name,
+    default)`` and ``hasattr`` behave as for an eager module (distributed's
+    preload looks up ``dask_teardown`` that way).
+    """
+    if (name in _SUBPACKAGES or name in _LAZY) and name not in _WITHOUT_DISTRIBUTED:
+        _check_hooks_once()
+    if name in _SUBPACKAGES:
+        value: Any = importlib.import_module(f"{__name__}.{name}")
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | _SUBPACKAGES)

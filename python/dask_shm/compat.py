@@ -1,10 +1,13 @@
-"""The distributed internals dask-shm hooks, checked when it is imported.
+"""The distributed internals dask-shm hooks, checked when first used.
 
 dask-shm plugs into stock distributed without forking it, and a few of its
 hooks are not public API. :func:`missing_hooks` lists the ones this
 distributed lacks, with what stops working; :func:`warn_if_hooks_missing`
-turns that into one :class:`DistributedCompatibilityWarning` when
-``dask_shm`` is imported, and ``dask shm info`` reports it as a problem with
+turns that into one :class:`DistributedCompatibilityWarning` when the
+first distributed-facing name of ``dask_shm`` is used (``dask_shm.SpillBuffer``,
+``dask_shm.dask_setup`` as ``--preload dask_shm`` looks it up, a subpackage
+such as ``dask_shm.shared``; not ``dask_shm.get``, whose pool processes must
+not import distributed), and ``dask shm info`` reports it as a problem with
 a fix, so a distributed that moved an internal never gives a silent
 half-install.
 

@@ -4,6 +4,7 @@
   where large buffers travel through shared-memory files instead of pipes.
 - :class:`SpillCache`: a spilling ``cache=`` for the local schedulers, so that
   computations with more live intermediates than RAM spill instead of dying.
+- :func:`shutdown_pool`: close the warm pool ``get`` keeps between computations.
 
 The names are imported on first use: pool processes only need
 :mod:`dask_shm.local.transport`, and should not pay for importing the rest.
@@ -17,14 +18,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dask_shm.local.cache import SpillCache
     from dask_shm.local.config import parse_memory_target
+    from dask_shm.local.pool import shutdown_pool
     from dask_shm.local.scheduler import get
 
-__all__ = ["SpillCache", "get", "parse_memory_target"]
+__all__ = ["SpillCache", "get", "parse_memory_target", "shutdown_pool"]
 
 _WHERE = {
     "SpillCache": "dask_shm.local.cache",
     "get": "dask_shm.local.scheduler",
     "parse_memory_target": "dask_shm.local.config",
+    "shutdown_pool": "dask_shm.local.pool",
 }
 
 

@@ -19,6 +19,10 @@ Keys (all under ``shm.local``, settable with ``dask.config.set``):
 ``spill-directory``
     Where that cache spills. Default None: dask's ``temporary-directory``, else
     the system temporary directory.
+``warm-pool``
+    True (default): keep the process pool :func:`dask_shm.local.get` creates
+    between computations (see :mod:`dask_shm.local.pool`); False: a pool per
+    computation, as ``scheduler="processes"`` does.
 """
 
 from __future__ import annotations
@@ -126,3 +130,16 @@ def spill_directory() -> str:
 def shm_directory_base() -> str | None:
     """``shm.local.shm-directory``, validated; None if unset."""
     return _checked_directory(_get("shm-directory"), f"{PREFIX}.shm-directory")
+
+
+def warm_pool() -> bool:
+    """``shm.local.warm-pool`` (default True).
+
+    Raises ValueError naming the key when it is not a boolean.
+    """
+    value = _get("warm-pool")
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ValueError(f"{PREFIX}.warm-pool must be true or false; got {value!r}")
+    return value

@@ -3,31 +3,23 @@
 from __future__ import annotations
 
 import multiprocessing.pool
-import os
 import threading
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
+from concurrent.futures import CancelledError, Executor, Future
 from contextlib import ExitStack
-from functools import partial
 from typing import Any
 
 from dask import config as dask_config
 from dask.local import MultiprocessingPoolExecutor, get_async
-from dask.multiprocessing import (
-    _process_get_id,
-    get_context,
-    initialize_worker_process,
-    pack_exception,
-    reraise,
-)
+from dask.multiprocessing import _process_get_id, pack_exception, reraise
 from dask.optimization import cull, fuse
 from dask.system import CPU_COUNT
 from dask.typing import Key
 from dask.utils import ensure_dict
 
 from dask_shm.local import config
-from dask_shm.local.cache import SpillCache
 from dask_shm.local.directory import ShmDirectory
+from dask_shm.local.pool import private_pool, warm_pool
 from dask_shm.local.transport import Transport
 
 
@@ -64,28 +56,6 @@ class _TrackedSubmit:
                 pass
 
 
-def _kill_pool(pool: ProcessPoolExecutor) -> None:
-    """Stop our own pool now: cancel queued work and terminate its processes.
-
-    Python 3.14 has ``ProcessPoolExecutor.terminate_workers``; before that the
-    processes are only reachable through ``_processes``.
-    """
-    terminate = getattr(pool, "terminate_workers", None)
-    if terminate is not None:
-        terminate()
-        return
-    processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in processes:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-
-
 def get(
     dsk: Mapping[Key, Any],
     keys: Sequence[Key] | Key,
@@ -98,6 +68,7 @@ def get(
     cache: MutableMapping[Key, Any] | None = None,
     memory_target: int | float | str | None = None,
     shm_threshold: int | str | None = None,
+    warm: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run a dask graph on a process pool, moving large buffers through
@@ -106,8 +77,9 @@ def get(
     Use as ``dask.compute(x, scheduler=dask_shm.get)`` or
     ``dask.config.set(scheduler=dask_shm.get)``. Built on
     ``dask.local.get_async`` exactly like ``dask.multiprocessing.get`` (same
-    pool, ``spawn`` context by default, ``chunksize``, graph culling and
-    fusion); only what crosses to the pool differs: objects are pickled with
+    pool, ``spawn`` context by default, graph culling and fusion), but the
+    pool is kept warm between computations and what crosses to the pool
+    differs: objects are pickled with
     protocol 5 and every buffer of at least ``shm_threshold`` bytes is written
     once into a file of this computation's 0700 directory under ``/dev/shm``
     and mapped by whoever reads it (see :mod:`dask_shm.local.transport`).
@@ -118,13 +90,21 @@ def get(
       arrays) are *mapped*, not copied: private, writable, copy-on-write
       mappings of files that are already deleted; the memory is freed when the
       objects are garbage collected.
+    - A result that already lives in a file (every intermediate in the parent,
+      an unmodified input or view of one in a pool process) is passed on as a
+      reference to that file, never written again.
+    - The pool ``get`` creates is kept warm for the next computation (unless
+      ``warm=False`` or ``shm.local.warm-pool`` is false) and reused only if
+      healthy and started for the same ``num_workers``, context, initializer
+      and ``PYTHONHASHSEED``; otherwise it is closed and a new one started. It
+      is shut down at exit or by :func:`dask_shm.local.shutdown_pool`.
     - The directory and all its files are gone when ``get`` returns or raises:
       on success, on a task error, on KeyboardInterrupt and when a pool process
       dies (that raises ``BrokenProcessPool``, as with
-      ``scheduler="processes"``). On any failure the pool ``get`` created is
-      terminated at once (stock waits for the tasks still running); a
-      directory left by a process killed outright (SIGKILL) is removed by the
-      next computation.
+      ``scheduler="processes"``). On any failure the pool ``get`` created (warm
+      or not) is terminated at once (stock waits for the tasks still running)
+      and never reused; a directory left by a process killed outright
+      (SIGKILL) is removed by the next computation.
     - A task error is raised in the caller with the task's exception type,
       message and remote traceback, as with ``scheduler="processes"``;
       ``rerun_exceptions_locally=True`` re-runs the failing task in the
@@ -138,8 +118,13 @@ def get(
         An existing ``concurrent.futures.Executor`` or ``multiprocessing.Pool``
         (also read from ``dask.config`` ``pool``). It is not shut down; on
         failure, running tasks are waited for before the files are removed.
-    initializer, chunksize, optimize_graph:
+    initializer, optimize_graph:
         As for ``dask.multiprocessing.get``.
+    chunksize:
+        Tasks sent to a pool process at once; default ``dask.config``
+        ``chunksize``, else 1 (stock's default, 6, amortizes pickling through
+        the pipe, which references to files do not need; batches of 6 leave a
+        process idle while the other works through its batch).
     cache:
         Mapping for intermediate results, e.g. a :class:`SpillCache`.
     memory_target:
@@ -149,6 +134,9 @@ def get(
     shm_threshold:
         Smallest buffer, in bytes, that travels through a file (default
         ``shm.local.shm-threshold``, 64 KiB).
+    warm:
+        Use (and keep) the warm pool; default ``shm.local.warm-pool`` (True).
+        Ignored when ``pool`` is given.
     **kwargs:
         Passed to ``dask.local.get_async`` (``callbacks``,
         ``rerun_exceptions_locally``, ...).
@@ -167,7 +155,7 @@ def get(
             raise TypeError(f"dask_shm.get does its own serialization; {name} is not supported")
     threshold = config.shm_threshold(shm_threshold)
     target = config.memory_target(memory_target) if cache is None else None
-    chunksize = chunksize or dask_config.get("chunksize", 6)
+    chunksize = chunksize or dask_config.get("chunksize", 1)
     pool = pool or dask_config.get("pool", None)
     initializer = initializer or dask_config.get("multiprocessing.initializer", None)
     num_workers = num_workers or dask_config.get("num_workers", None) or CPU_COUNT
@@ -183,55 +171,42 @@ def get(
 
     with ExitStack() as stack:
         if target is not None:
+            from dask_shm.local.cache import SpillCache  # imports distributed
+
             cache = stack.enter_context(SpillCache(target))
         shm = ShmDirectory()
         stack.callback(shm.close)
         transport = Transport(shm.path, threshold)
         stack.callback(transport.close)
 
-        own_pool = pool is None
         executor: Executor
         if pool is None:
-            # As dask.multiprocessing.get: consistent hashing in the pool.
-            if os.environ.get("PYTHONHASHSEED") in (None, "0"):
-                os.environ["PYTHONHASHSEED"] = "6640"
-            executor = ProcessPoolExecutor(
-                num_workers,
-                mp_context=get_context(),
-                initializer=partial(initialize_worker_process, user_initializer=initializer),
-            )
+            use_warm = config.warm_pool() if warm is None else warm
+            make = warm_pool if use_warm else private_pool
+            # Entered last, so left first: no pool process can touch the
+            # directory any more when transport.close() removes it.
+            executor = stack.enter_context(make(num_workers, initializer))
         elif isinstance(pool, multiprocessing.pool.Pool):
             executor = MultiprocessingPoolExecutor(pool)
         else:
             executor = pool
         submit = _TrackedSubmit(executor.submit)
+        if pool is not None:
+            # Not ours to stop: on failure, wait for what is still running.
+            stack.callback(submit.drain)
 
-        succeeded = False
-        try:
-            result = get_async(
-                submit,
-                executor._max_workers,  # type: ignore[attr-defined]
-                dsk3,
-                keys,
-                cache=cache,
-                get_id=_process_get_id,
-                dumps=transport.dumps,
-                loads=transport.loads,
-                pack_exception=pack_exception,
-                raise_exception=reraise,
-                chunksize=chunksize,
-                **kwargs,
-            )
-            succeeded = True
-        finally:
-            # Stop every pool process from touching the directory before
-            # transport.close() (registered above) removes it.
-            if own_pool:
-                assert isinstance(executor, ProcessPoolExecutor)
-                if succeeded:
-                    executor.shutdown(wait=True)
-                else:
-                    _kill_pool(executor)
-            else:
-                submit.drain()
+        result = get_async(
+            submit,
+            executor._max_workers,  # type: ignore[attr-defined]
+            dsk3,
+            keys,
+            cache=cache,
+            get_id=_process_get_id,
+            dumps=transport.dumps,
+            loads=transport.loads,
+            pack_exception=pack_exception,
+            raise_exception=reraise,
+            chunksize=chunksize,
+            **kwargs,
+        )
     return result

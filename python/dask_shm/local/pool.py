@@ -1,0 +1,238 @@
+"""The warm process pool that :func:`dask_shm.local.get` reuses across computations.
+
+Starting a ``spawn`` pool costs a fresh interpreter per process plus its
+imports; a computation that creates its own pool pays that every time. Here one
+pool is kept between computations, the way Ray keeps its workers:
+
+- It is sized by ``num_workers`` and started with the same context, initializer
+  and ``PYTHONHASHSEED`` as ``dask.multiprocessing.get``. A computation asking
+  for another size, context (``multiprocessing.context``), initializer or
+  ``PYTHONHASHSEED`` closes the idle pool and starts a new one.
+- It is never reused once broken: a computation that fails in any way (task
+  error, interrupt, dead pool process) terminates it at once, and a pool one of
+  whose processes died between computations is terminated and replaced.
+- One computation at a time uses it; a computation started while another holds
+  it gets a pool of its own, torn down when it ends (the behaviour of
+  ``warm_pool=False``).
+- It is shut down at interpreter exit, or by :func:`shutdown_pool`.
+
+A new pool starts all its processes at once and has them import the transport
+right away, so that this overlaps with the parent's graph preparation.
+
+Threads of native libraries: each pool process starts with ``OMP_NUM_THREADS``,
+``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS`` set to ``max(1, cpus //
+num_workers)`` (the ones already set in the environment are left as they are),
+so that ``num_workers`` processes each running a BLAS call do not oversubscribe
+the CPUs. distributed's nanny (``distributed.nanny.pre-spawn-environ``) and Ray
+do the same for their worker processes; ``scheduler="processes"`` does not.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+from dask.multiprocessing import get_context, initialize_worker_process
+from dask.system import CPU_COUNT
+
+#: Thread-count variables of OpenMP, OpenBLAS and MKL, read when they load.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_environ_lock = threading.Lock()
+
+
+def kill_pool(pool: ProcessPoolExecutor) -> None:
+    """Stop a pool now: cancel queued work and terminate its processes.
+
+    Python 3.14 has ``ProcessPoolExecutor.terminate_workers``; before that the
+    processes are only reachable through ``_processes``.
+    """
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in processes:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def is_healthy(pool: ProcessPoolExecutor) -> bool:
+    """False if the pool is broken, shut down, or one of its processes has exited."""
+    if getattr(pool, "_broken", False) or getattr(pool, "_shutdown_thread", False):
+        return False
+    processes = (getattr(pool, "_processes", None) or {}).values()
+    return all(proc.exitcode is None for proc in processes)
+
+
+def _warm_up() -> int:
+    """Runs in each new pool process: import what every task message needs."""
+    import dask_shm.local.transport  # noqa: F401
+
+    return os.getpid()
+
+
+def _hash_seed() -> str:
+    # As dask.multiprocessing.get: consistent hashing in the pool.
+    if os.environ.get("PYTHONHASHSEED") in (None, "0"):
+        os.environ["PYTHONHASHSEED"] = "6640"
+    return os.environ["PYTHONHASHSEED"]
+
+
+@contextmanager
+def _thread_limits(num_workers: int) -> Iterator[None]:
+    """Set the unset :data:`THREAD_VARIABLES` in ``os.environ`` (inherited by
+    processes started meanwhile), and remove them again afterwards."""
+    threads = str(max(1, CPU_COUNT // num_workers))
+    with _environ_lock:
+        added = [name for name in THREAD_VARIABLES if name not in os.environ]
+        for name in added:
+            os.environ[name] = threads
+        try:
+            yield
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
+
+
+def new_pool(num_workers: int, initializer: Callable[[], None] | None) -> ProcessPoolExecutor:
+    """A spawn (or ``multiprocessing.context``) pool as ``dask.multiprocessing.get``
+    makes it, with all ``num_workers`` processes started (with the thread
+    limits of the module docstring) and importing the transport."""
+    _hash_seed()
+    pool = ProcessPoolExecutor(
+        num_workers,
+        mp_context=get_context(),
+        initializer=partial(initialize_worker_process, user_initializer=initializer),
+    )
+    # Each submit while no process is idle starts one more process, at once
+    # (spawn and forkserver; fork starts them all on the first submit).
+    with _thread_limits(num_workers):
+        for _ in range(num_workers):
+            pool.submit(_warm_up)
+    return pool
+
+
+def _key(num_workers: int, initializer: Callable[[], None] | None) -> tuple[Any, ...]:
+    return (
+        num_workers,
+        get_context().get_start_method(),
+        initializer,
+        _hash_seed(),
+        tuple(os.environ.get(name) for name in THREAD_VARIABLES),
+    )
+
+
+class _WarmPool:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # held by the computation using the pool
+        self.guard = threading.Lock()  # protects the fields below
+        self.pool: ProcessPoolExecutor | None = None
+        self.key: tuple[Any, ...] | None = None
+
+    def _take(self, key: tuple[Any, ...]) -> ProcessPoolExecutor | None:
+        """The pool if it matches ``key`` and is healthy; else close it (idle)
+        and return None."""
+        with self.guard:
+            pool, self.pool = self.pool, None
+            same = self.key == key
+            self.key = None
+        if pool is None:
+            return None
+        if same and is_healthy(pool):
+            return pool
+        if is_healthy(pool):
+            pool.shutdown(wait=True)
+        else:
+            kill_pool(pool)
+        return None
+
+    def _give_back(self, pool: ProcessPoolExecutor, key: tuple[Any, ...]) -> None:
+        with self.guard:
+            self.pool, self.key = pool, key
+
+    @contextmanager
+    def use(
+        self, num_workers: int, initializer: Callable[[], None] | None
+    ) -> Iterator[ProcessPoolExecutor]:
+        """The warm pool for one computation; if it is in use by another
+        computation, a private pool closed at the end. If the block raises, the
+        pool is killed and not kept."""
+        if not self.lock.acquire(blocking=False):
+            with private_pool(num_workers, initializer) as pool:
+                yield pool
+            return
+        try:
+            key = _key(num_workers, initializer)
+            pool = self._take(key) or new_pool(num_workers, initializer)
+            try:
+                yield pool
+            except BaseException:
+                kill_pool(pool)
+                raise
+            if is_healthy(pool):
+                self._give_back(pool, key)
+            else:
+                kill_pool(pool)
+        finally:
+            self.lock.release()
+
+    def shutdown(self) -> None:
+        with self.guard:
+            pool, self.pool, self.key = self.pool, None, None
+        if pool is not None:
+            if is_healthy(pool):
+                pool.shutdown(wait=True, cancel_futures=True)
+            else:
+                kill_pool(pool)
+
+    def processes(self) -> list[int]:
+        with self.guard:
+            pool = self.pool
+        procs = (getattr(pool, "_processes", None) or {}).values() if pool else ()
+        return sorted(p.pid for p in procs if p.pid is not None)
+
+
+@contextmanager
+def private_pool(
+    num_workers: int, initializer: Callable[[], None] | None
+) -> Iterator[ProcessPoolExecutor]:
+    """A pool for one computation: shut down when the block ends, killed at
+    once if it raises."""
+    pool = new_pool(num_workers, initializer)
+    try:
+        yield pool
+    except BaseException:
+        kill_pool(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+_WARM = _WarmPool()
+atexit.register(_WARM.shutdown)
+
+warm_pool = _WARM.use
+
+
+def shutdown_pool() -> None:
+    """Shut down the warm pool of :func:`dask_shm.local.get`, if there is one
+    (waiting for its processes to exit). The next computation starts a new
+    one. Safe to call at any time; a computation running on it keeps its pool
+    and gives it back when it ends."""
+    _WARM.shutdown()
+
+
+def warm_pool_pids() -> list[int]:
+    """Process ids of the idle warm pool (empty if there is none or it is in use)."""
+    return _WARM.processes()

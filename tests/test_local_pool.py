@@ -1,0 +1,337 @@
+"""dask_shm.local.get's warm pool: reused across computations, replaced when
+broken or when its configuration changes, never leaving shared-memory files or
+mappings behind, and its processes importing only the transport.
+
+Real spawn pools and real files under /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import dask
+import dask.array as da
+import numpy as np
+import psutil
+import pytest
+
+from dask_shm.local import get, shutdown_pool
+from dask_shm.local.pool import warm_pool_pids
+
+pytestmark = pytest.mark.timeout(180)
+
+BIG = 200_000  # float64 elements: 1.6 MB, far above the 64 KiB threshold
+
+
+@pytest.fixture(autouse=True)
+def no_warm_pool_left() -> Iterator[None]:
+    """Every test starts without a warm pool and shuts down the one it made."""
+    shutdown_pool()
+    yield
+    shutdown_pool()
+
+
+@pytest.fixture
+def shm_base() -> Iterator[Path]:
+    """A fresh directory on /dev/shm as ``shm.local.shm-directory``; the test
+    fails if anything is left in it afterwards."""
+    base = Path("/dev/shm") / f"dask-shm-test-{uuid.uuid4().hex[:12]}"
+    base.mkdir(mode=0o700)
+    try:
+        with dask.config.set({"shm.local.shm-directory": str(base)}):
+            yield base
+        leftovers = sorted(str(p.relative_to(base)) for p in base.rglob("*"))
+        assert leftovers == [], f"files left behind: {leftovers}"
+    finally:
+        for p in sorted(base.rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+        base.rmdir()
+
+
+# --- task functions (module level: the pool imports them by reference) ------
+
+
+def big_array(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).random(BIG)
+
+
+def pid_of(*args: object) -> int:
+    return os.getpid()
+
+
+def total(*xs: np.ndarray) -> float:
+    return float(sum(x.sum() for x in xs))
+
+
+def fail(x: object) -> None:
+    raise ValueError("task failed on purpose")
+
+
+def kill_own_process(x: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def mark_initialized() -> None:
+    os.environ["DASK_SHM_TEST_INITIALIZED"] = "yes"
+
+
+def initialized(x: object) -> str | None:
+    return os.environ.get("DASK_SHM_TEST_INITIALIZED")
+
+
+def pids_used(n: int, num_workers: int = 2) -> set[int]:
+    """Pids of the pool processes that ran ``n`` slow-ish independent tasks."""
+    dsk = {("p", i): (pid_of, (big_array, i)) for i in range(n)}
+    return set(get(dsk, list(dsk), num_workers=num_workers))
+
+
+def wait_gone(pids: set[int], timeout: float = 20) -> None:
+    """Assert every process in ``pids`` has exited within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+        assert time.monotonic() < deadline, f"still alive: {pids}"
+        time.sleep(0.05)
+
+
+# --- reuse ---------------------------------------------------------------------
+
+
+def test_the_pool_is_reused_across_computations(shm_base: Path) -> None:
+    first = pids_used(8)
+    pool = set(warm_pool_pids())
+    assert len(pool) == 2 and first <= pool
+    for seed in range(5):
+        x = da.random.RandomState(seed).random((600, 600), chunks=(200, 200))
+        y = (x @ x.T).sum(axis=0)
+        (result,) = dask.compute(y, scheduler=get, num_workers=2)
+        np.testing.assert_allclose(result, y.compute(scheduler="sync"))
+        assert pids_used(4) <= pool
+    assert set(warm_pool_pids()) == pool  # the same two processes all along
+    shutdown_pool()
+    wait_gone(pool)
+    assert warm_pool_pids() == []
+
+
+def test_warm_false_and_config_give_a_pool_per_computation(shm_base: Path) -> None:
+    pids = pids_used(4)
+    assert warm_pool_pids() != []
+    shutdown_pool()
+    with dask.config.set({"shm.local.warm-pool": False}):
+        pids = pids_used(4)
+    wait_gone(pids)
+    assert warm_pool_pids() == []
+    dsk = {"x": (pid_of, 1)}
+    pid = get(dsk, "x", warm=False)
+    wait_gone({pid})
+    assert warm_pool_pids() == []
+    with dask.config.set({"shm.local.warm-pool": "yes"}):
+        with pytest.raises(ValueError, match=r"shm\.local\.warm-pool must be true or false"):
+            get(dsk, "x")
+
+
+def test_a_config_change_closes_the_pool_and_starts_another(shm_base: Path) -> None:
+    pids_used(4)
+    two = set(warm_pool_pids())
+    assert len(two) == 2
+    # Another size.
+    pids_used(2, num_workers=1)
+    one = set(warm_pool_pids())
+    assert len(one) == 1 and not one & two
+    wait_gone(two)
+    # Another initializer (from dask's config, as scheduler="processes" reads it).
+    with dask.config.set({"multiprocessing.initializer": mark_initialized}):
+        assert get({"x": (initialized, 1)}, "x", num_workers=1) == "yes"
+        init = set(warm_pool_pids())
+    assert not init & one
+    wait_gone(one)
+    # Back to no initializer: the initialized processes must not be reused.
+    assert get({"x": (initialized, 1)}, "x", num_workers=1) is None
+    wait_gone(init)
+    # Another multiprocessing context.
+    plain = set(warm_pool_pids())
+    with dask.config.set({"multiprocessing.context": "forkserver"}):
+        assert get({"x": (big_array, 1), "y": (total, "x")}, "y", num_workers=1) == total(
+            big_array(1)
+        )
+        assert not set(warm_pool_pids()) & plain
+    wait_gone(plain)
+
+
+# --- broken pools are replaced, never reused ------------------------------------
+
+
+def test_a_pool_process_killed_between_computations_is_replaced(shm_base: Path) -> None:
+    pids_used(4)
+    pool = set(warm_pool_pids())
+    victim, survivor = sorted(pool)
+    os.kill(victim, signal.SIGKILL)
+    wait_gone({victim})
+    # The next computation does not see BrokenProcessPool: it gets a new pool.
+    assert get({"x": (big_array, 2), "y": (total, "x")}, "y", num_workers=2) == total(big_array(2))
+    fresh = set(warm_pool_pids())
+    assert len(fresh) == 2 and not fresh & pool
+    wait_gone({survivor})  # the broken pool's other process was stopped
+
+
+def test_a_pool_process_killed_during_a_computation_breaks_only_that_one(
+    shm_base: Path,
+) -> None:
+    pids_used(4)
+    pool = set(warm_pool_pids())
+    dsk = {"x": (big_array, 9), "die": (kill_own_process, "x"), "z": (total, "die")}
+    with pytest.raises(BrokenProcessPool):
+        get(dsk, "z", num_workers=2)
+    wait_gone(pool)
+    assert warm_pool_pids() == []
+    assert pids_used(4) <= set(warm_pool_pids())
+    assert not set(warm_pool_pids()) & pool
+
+
+def test_a_task_error_replaces_the_pool(shm_base: Path) -> None:
+    """Tasks still running when a task fails are not waited for: the pool is
+    terminated at once, and the next computation gets a fresh one."""
+    pids_used(4)
+    pool = set(warm_pool_pids())
+    dsk = {"x": (big_array, 3), "bad": (fail, "x"), "ok": (total, "x"), "all": (total, "bad", "ok")}
+    with pytest.raises(ValueError, match="task failed on purpose"):
+        get(dsk, "all", num_workers=2)
+    wait_gone(pool)
+    assert get({"x": (big_array, 4), "y": (total, "x")}, "y", num_workers=2) == total(big_array(4))
+    assert not set(warm_pool_pids()) & pool
+
+
+def test_a_busy_pool_is_not_shared_by_concurrent_computations(shm_base: Path) -> None:
+    pids_used(4)
+    pool = set(warm_pool_pids())
+    results: dict[str, set[int]] = {}
+
+    def compute(name: str) -> None:
+        dsk = {("p", i): (pid_of, (big_array, i), (time.sleep, 0.3)) for i in range(4)}
+        results[name] = set(get(dsk, list(dsk), num_workers=2))
+
+    threads = [threading.Thread(target=compute, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    warm = [n for n, pids in results.items() if pids <= pool]
+    private = [n for n, pids in results.items() if not pids & pool]
+    assert len(warm) == 1 and len(private) == 1, results
+    wait_gone(results[private[0]])  # the private pool was shut down
+    assert set(warm_pool_pids()) == pool
+
+
+# --- no files or mappings left behind ------------------------------------------------
+
+
+def mapped_files_under(pid: int, base: Path) -> list[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return [line.split(None, 5)[-1].strip() for line in f if str(base) in line]
+
+
+def test_many_computations_leave_no_files_or_mappings(shm_base: Path) -> None:
+    parent = os.getpid()
+    for i in range(40):
+        x = da.random.RandomState(i).random((800, 800), chunks=(400, 400))
+        y = (x + x.T) * 2
+        (result,) = dask.compute((y @ y.T).sum(axis=0), scheduler=get, num_workers=2)
+        assert result.shape == (800,)
+        del result
+        assert list(shm_base.iterdir()) == [], f"computation {i} left files"
+    pool = warm_pool_pids()
+    assert len(pool) == 2
+    # Files deleted but still mapped would hold RAM invisibly.
+    for pid in [parent, *pool]:
+        assert mapped_files_under(pid, shm_base) == [], pid
+    for pid in pool:
+        open_files = [f.path for f in psutil.Process(pid).open_files()]
+        assert not [f for f in open_files if f.startswith(str(shm_base))], open_files
+
+
+# --- what a pool process imports, and exit ---------------------------------------------
+
+
+def test_pool_processes_import_only_the_transport(tmp_path: Path) -> None:
+    script = tmp_path / "imports.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import numpy as np
+            from dask_shm.local import get
+
+            HEAVY = ("distributed", "zict", "dask_shm.spill", "dask_shm.shared",
+                     "dask_shm.amm", "dask_shm.spans", "dask_shm.worker")
+
+            def heavy_modules(x):
+                return sorted(m for m in HEAVY if m in sys.modules)
+
+            if __name__ == "__main__":
+                dsk = {"x": (np.ones, 100_000), "y": (heavy_modules, "x")}
+                print("pool:", get(dsk, "y", num_workers=1))
+                print("parent:", heavy_modules(None))
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pool: []" in out.stdout, out.stdout
+    assert "parent: []" in out.stdout, out.stdout
+
+
+def test_the_warm_pool_is_shut_down_at_exit(tmp_path: Path) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os
+            from dask_shm.local import get
+            from dask_shm.local.pool import warm_pool_pids
+
+            if __name__ == "__main__":
+                get({"x": (os.getpid,)}, "x", num_workers=2)
+                print(*warm_pool_pids(), flush=True)
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pids = {int(p) for p in out.stdout.split()}
+    assert len(pids) >= 1
+    wait_gone(pids)
+
+
+def thread_variables(x: object) -> list[str | None]:
+    from dask_shm.local.pool import THREAD_VARIABLES
+
+    return [os.environ.get(name) for name in THREAD_VARIABLES]
+
+
+def test_pool_processes_share_the_cpus_between_their_blas_threads(
+    shm_base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """num_workers processes each running BLAS must not oversubscribe the
+    CPUs: unset thread variables get cpus // num_workers (at least 1) in the
+    pool only; a value the user set is kept."""
+    from dask.system import CPU_COUNT
+
+    from dask_shm.local.pool import THREAD_VARIABLES
+
+    for name in THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    share = str(max(1, CPU_COUNT // 2))
+    assert get({"x": (thread_variables, 1)}, "x", num_workers=2) == [share] * 3
+    assert [os.environ.get(name) for name in THREAD_VARIABLES] == [None] * 3
+    monkeypatch.setenv("MKL_NUM_THREADS", "7")  # a change starts another pool
+    assert get({"x": (thread_variables, 1)}, "x", num_workers=2) == [share, share, "7"]
+    assert get({"x": (thread_variables, 1)}, "x", num_workers=1) == [str(CPU_COUNT)] * 2 + ["7"]
