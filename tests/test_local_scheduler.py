@@ -149,7 +149,13 @@ def test_array_workloads_match_sync(pool: ProcessPoolExecutor, shm_base: Path) -
     actual = dask.compute(exprs, scheduler=get, pool=pool)[0]
     assert actual.keys() == expected.keys()
     for name in exprs:
-        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+        if name == "matmul":
+            # BLAS blocks a product by its thread count and the operands'
+            # alignment, so the last bits differ between processes; the rest
+            # of the graph is bit-for-bit.
+            np.testing.assert_allclose(actual[name], expected[name], rtol=1e-13, err_msg=name)
+        else:
+            np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
         assert actual[name].dtype == expected[name].dtype, name
 
 
