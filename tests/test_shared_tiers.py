@@ -200,6 +200,15 @@ def test_budget_defaults_fit_memory_and_tmpfs(shm_dir):
     assert auto.limit == int(limits.AUTO_FRACTION * GiB) and not auto.small_root
     assert limits.tier2_budget(0.5, shm_dir, GiB).limit == GiB // 2
     assert limits.tier2_budget(123, shm_dir, GiB).limit == 123
+    # auto leaves the worker's target room for what the process holds already
+    roomy = limits.tier2_budget(None, shm_dir, GiB, held=100 * MiB, target_fraction=0.6)
+    assert roomy.limit == int(limits.AUTO_FRACTION * GiB)
+    tight = limits.tier2_budget(None, shm_dir, 350 * MiB, held=200 * MiB, target_fraction=0.6)
+    assert tight.limit == int(0.6 * 350 * MiB) - 200 * MiB and "already held" in tight.reason
+    full = limits.tier2_budget(None, shm_dir, 350 * MiB, held=300 * MiB, target_fraction=0.6)
+    assert full.limit == 0
+    # an explicit setting is the user's call
+    assert limits.tier2_budget(123, shm_dir, GiB, held=GiB, target_fraction=0.6).limit == 123
     with small_tmpfs("64m") as root:
         small = limits.tier2_budget(None, root, GiB)
         assert small.small_root

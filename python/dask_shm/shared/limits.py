@@ -168,6 +168,9 @@ def tier2_budget(
     max_bytes: int | float | None,
     root: str,
     memory_limit: int | None,
+    *,
+    held: int = 0,
+    target_fraction: float | None = None,
 ) -> Budget:
     """The tier-2 budget of a worker with ``memory_limit`` bytes (None: no
     limit) on ``root``.
@@ -177,11 +180,24 @@ def tier2_budget(
     the host's memory); a float in (0, 1] for that fraction instead; an int
     for an absolute number of bytes. Every result is capped by
     :data:`TMPFS_HEADROOM` of the root's free space now.
+
+    With ``auto``, a memory limit and ``target_fraction`` (the worker's
+    ``distributed.worker.memory.target``), the budget is also capped so that
+    ``held`` (the private bytes the process holds already: interpreter,
+    libraries) plus a full tier 2 stays below that target: tmpfs files count
+    in the worker's memory, and a tier 2 that alone keeps the worker above its
+    target would have it spill, pause and be restarted with nothing left to
+    spill. Small memory limits then spill mostly to disk, as stock does.
     """
     base = memory_limit or memory_available_to_process()
     base_name = "memory limit" if memory_limit else "available memory"
     if max_bytes is None:
         wanted, how = int(AUTO_FRACTION * base), f"{AUTO_FRACTION:g} x {base_name}"
+        if memory_limit and target_fraction:
+            room = max(0, int(target_fraction * memory_limit) - held)
+            if room < wanted:
+                wanted = room
+                how = f"{target_fraction:g} x memory limit - {held} bytes already held"
     elif isinstance(max_bytes, float):
         wanted, how = int(max_bytes * base), f"{max_bytes:g} x {base_name}"
     else:

@@ -62,7 +62,17 @@ class SharedMemoryPlugin(WorkerPlugin):
         born_settings = born_worker.BornSettings.from_config()
         root = self.root or settings.root
         memory_limit = worker.memory_manager.memory_limit
-        budget = limits.tier2_budget(settings.max_bytes, root, memory_limit)
+        budget = limits.tier2_budget(
+            settings.max_bytes,
+            root,
+            memory_limit,
+            held=monitor.private_process_memory(),
+            target_fraction=(
+                worker.memory_manager.memory_target_fraction
+                or worker.memory_manager.memory_spill_fraction
+                or None
+            ),
+        )
         target = target_from_config(memory_limit) or sys.maxsize
         try:
             # The one check of the root (create raises UnusableRoot).
