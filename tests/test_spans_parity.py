@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from distributed.metrics import time
 from distributed.scheduler import ALL_TASK_STATES, TaskGroup, TaskPrefix, TaskState
+from distributed.spans import Span as StockSpan
 from distributed.spans import SpansSchedulerExtension as StockExtension
 
 from dask_shm.spans import Span, SpansSchedulerExtension
@@ -34,6 +35,17 @@ PATHS: list[tuple[tuple[str, ...], int] | None] = [
     (("a", "b"), 1),
 ]
 T0 = 1e10  # task timestamps, later than any span's enqueued time
+
+
+@pytest.fixture(autouse=True)
+def fresh_metadata_ids() -> None:
+    """distributed < 2026.8.0 keeps the id() of every span metadata it has seen in
+    one class-level set for the life of the process (ours inherits it), so ids of
+    dicts freed by earlier tests would drop metadata at random: start each test
+    as a fresh scheduler process would."""
+    seen = getattr(StockSpan, "_metadata_seen", None)
+    if seen is not None:
+        seen.clear()
 
 
 def annotation(path: tuple[tuple[str, ...], int]) -> dict[str, tuple[str, ...]]:
@@ -57,6 +69,11 @@ class World:
         self.groups: list[TaskGroup] = []
         self.tasks: list[TaskState] = []
         self.observed: list[dict] = []
+        # Every submission's metadata stays alive: distributed < 2026.8.0
+        # deduplicates span metadata by id() in a class-level set (ours inherits
+        # Span.add_metadata), so a freed dict whose id() is reused would be dropped
+        # at random in either world.
+        self.metadata: list[dict] = []
 
     def apply(self, op: tuple) -> None:
         kind = op[0]
@@ -81,6 +98,7 @@ class World:
                 ts.state = "waiting"
             code = (("code", len(self.tasks)),) if with_code else ()
             meta = {"collections": [{"n": len(self.tasks)}]}
+            self.metadata.append(meta)
             self.observed.append(self.ext.observe_tasks(new, code=code, span_metadata=meta))
         elif kind == "transition":
             _, idx, state = op
