@@ -210,7 +210,9 @@ def test_plain_graph_matches_sync(pool: ProcessPoolExecutor, shm_base: Path) -> 
     actual = get(dsk, keys, pool=pool)
     (e_sum, e_a1), e_blob, e_ba, e_pair, e_dict, e_same, e_small = expected
     (a_sum, a_a1), a_blob, a_ba, a_pair, a_dict, a_same, a_small = actual
-    assert a_sum == e_sum
+    # numpy's SIMD sum peels differently for differently aligned data: the
+    # last bit of a float sum depends on where the allocator put the array.
+    assert a_sum == pytest.approx(e_sum, rel=1e-14)
     np.testing.assert_array_equal(a_a1, e_a1)
     assert a_blob == e_blob and type(a_blob) is bytes
     assert a_ba == e_ba and type(a_ba) is bytearray
