@@ -409,3 +409,18 @@ def test_limits_summary_for_dask_shm_info(shm_dir):
     assert facts["budget"]["limit"] == int(limits.AUTO_FRACTION * GiB)
     assert facts["tmpfs"]["free"] > 0
     assert facts["memory_available"] <= limits.host_memory_total()
+
+
+@needs_cgroup
+def test_dask_shm_info_shows_the_cgroup_limit_and_the_budget(shm_dir):
+    with memory_cgroup(700 * MiB) as cg:
+        out = subprocess.run(
+            [sys.executable, "-m", "dask_shm", "info", "--root", shm_dir],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=cg.add_self,
+        ).stdout
+    assert "memory cgroup:" in out and "700.00 MiB" in out, out
+    # auto budget: 0.3 x the memory the process may use (the cgroup's limit)
+    assert "tier-2 budget:" in out and f"{0.3 * 700:.2f} MiB (0.3 x available memory)" in out, out

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import dask.config
 
 from dask_shm.config import DEFAULTS, SWITCHES, SharedMemorySettings, enabled, unknown_keys
+from dask_shm.shared.limits import summary
 from dask_shm.shared.paths import TMPFS_TYPES, filesystem_of, user_dir_path, user_dir_problem
 from dask_shm.shared.plugin import PLUGIN_NAME
 from dask_shm.shared.store import max_map_count
@@ -91,6 +92,10 @@ class HostInfo:
     settings: SharedMemorySettings | None
     #: ValueError messages of invalid ``shm.*`` config values.
     config_errors: list[str]
+    #: :func:`dask_shm.shared.limits.summary` for the root: the memory cgroup
+    #: (None outside one), the memory this process may use and the tier-2
+    #: budget a worker without a memory limit would get (None if unknown).
+    limits: dict[str, Any] | None = None
     scheduler_address: str | None = None
     scheduler_error: str | None = None
     workers: list[WorkerInfo] = field(default_factory=list)
@@ -280,6 +285,11 @@ def gather_facts(
         config_errors=config_errors,
         scheduler_address=scheduler_address,
     )
+    if is_linux and is_dir:
+        try:
+            info.limits = summary(root, settings.max_bytes if settings else None)
+        except OSError:
+            info.limits = None
     if scheduler_address is not None:
         info.scheduler_error, info.workers = ask_workers(scheduler_address, timeout)
     return info

@@ -86,7 +86,26 @@ def format_info(info: HostInfo) -> str:
             f"all of this host's shared memory in {format_bytes(TYPICAL_VALUE_BYTES)} values "
             f"would be {expected:,})"
         )
-    section("Limits", [("open files (RLIMIT_NOFILE)", nofile), ("vm.max_map_count", max_map)])
+    limit_rows = [("open files (RLIMIT_NOFILE)", nofile), ("vm.max_map_count", max_map)]
+    if info.limits is not None:
+        cg = info.limits["cgroup"]
+        if cg is None:
+            limit_rows.append(("memory cgroup", "none (the host's memory applies)"))
+        else:
+            usage = "" if cg["usage"] is None else f", {_bytes(cg['usage'])} in use"
+            limit_rows.append(
+                ("memory cgroup", f"{cg['version']} {cg['path']}: {_bytes(cg['limit'])}{usage}")
+            )
+        limit_rows.append(("usable memory", _bytes(info.limits["memory_available"])))
+        budget = info.limits["budget"]
+        limit_rows.append(
+            (
+                "tier-2 budget",
+                f"{_bytes(budget['limit'])} ({budget['reason']}) for a worker without a "
+                "memory limit; beyond it files go to disk",
+            )
+        )
+    section("Limits", limit_rows)
 
     rows = [(key, repr(value)) for key, value in _flatten(info.config)]
     if info.settings is not None:
