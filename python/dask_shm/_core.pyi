@@ -264,6 +264,12 @@ def read_peer_file(
 def live_mappings() -> int:
     """Number of spill-file mappings (``MappedFile``) alive in this process."""
 
+def is_ram_backed(path: str | PathLike[str]) -> bool:
+    """Whether ``path`` lies on a RAM-backed file system (tmpfs, ramfs or
+    hugetlbfs, by ``statfs`` magic number): dask-shm's one rule for "this is
+    shared memory" (rust/fs.rs). False if ``path`` cannot be examined
+    (missing, no access) and off Linux; never raises for such paths."""
+
 # --- tiers of the shared-memory store (rust/tier.rs, rust/py_tier.rs) ---
 
 def move_entry(src: FileStore, name: str, dst: FileStore) -> tuple[str, int]:
