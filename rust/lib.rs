@@ -4,6 +4,7 @@
 mod amm;
 pub mod born;
 mod born_py;
+mod errors;
 pub mod format;
 pub mod fs;
 pub mod ledger;
@@ -52,11 +53,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(born_py::born_stats, m)?)?;
     m.add(
         "ForgedHandleError",
-        m.py().get_type::<py_store::ForgedHandleError>(),
+        m.py().get_type::<errors::ForgedHandleError>(),
     )?;
     m.add(
         "SpillFileError",
-        m.py().get_type::<py_store::SpillFileError>(),
+        m.py().get_type::<errors::SpillFileError>(),
     )?;
     Ok(())
 }

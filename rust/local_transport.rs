@@ -17,9 +17,9 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::errors::SpillFileError;
 use crate::format::{self, FormatError, Layout};
 use crate::py_buffers::{export_bytes, MappedFile};
-use crate::py_store::SpillFileError;
 
 enum MapError {
     Io(io::Error),
