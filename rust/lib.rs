@@ -14,6 +14,7 @@ mod py_amm;
 mod py_amm_tracker;
 mod py_buffers;
 mod py_fs;
+mod py_local_transport;
 mod py_store;
 mod py_tier;
 mod recycle;
@@ -36,10 +37,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_amm::replicas_to_keep, m)?)?;
     m.add_class::<py_tier::TierBudget>()?;
     m.add_function(wrap_pyfunction!(py_tier::move_entry, m)?)?;
-    m.add_class::<local_transport::MappedRange>()?;
-    m.add_function(wrap_pyfunction!(local_transport::map_frames, m)?)?;
-    m.add_function(wrap_pyfunction!(local_transport::buffer_address, m)?)?;
-    m.add_function(wrap_pyfunction!(local_transport::py_pages_unmodified, m)?)?;
+    m.add_class::<py_local_transport::MappedRange>()?;
+    m.add_function(wrap_pyfunction!(py_local_transport::map_frames, m)?)?;
+    m.add_function(wrap_pyfunction!(py_local_transport::buffer_address, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        py_local_transport::py_pages_unmodified,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(py_store::read_peer_file, m)?)?;
     m.add_function(wrap_pyfunction!(py_buffers::live_mappings, m)?)?;
     m.add_function(wrap_pyfunction!(py_fs::is_ram_backed, m)?)?;

@@ -141,6 +141,32 @@ pub fn check_name(name: &str) -> io::Result<()> {
     Ok(())
 }
 
+/// Map the spill file at `path` copy-on-write (MAP_PRIVATE, readable and
+/// writable: writes never reach the file) and validate its header against
+/// its size. Refuses a symlink (`O_NOFOLLOW`). Errors: `Io` if it cannot be
+/// opened or mapped, `Corrupt` (naming `path`) if it is truncated, corrupted
+/// or not a spill file.
+///
+/// Only for files written by a `FileStore` (of any process): they are
+/// created whole and only ever unlinked, never truncated, in a 0700
+/// directory, so only this user could truncate one while it is mapped (reads
+/// past the end would then fault with SIGBUS).
+pub fn map_file(path: &Path) -> Result<(MmapMut, Layout), StoreError> {
+    let corrupt = |error| StoreError::Corrupt {
+        path: path.to_path_buf(),
+        error,
+    };
+    let file = open_nofollow(path)?;
+    let size = file.metadata()?.len();
+    if size < 16 {
+        return Err(corrupt(FormatError::TooShort { size }));
+    }
+    // SAFETY: the mapping is private and the file is never truncated (see above).
+    let map = unsafe { MmapOptions::new().map_copy(&file)? };
+    let layout = format::parse_layout(&map, size).map_err(corrupt)?;
+    Ok((map, layout))
+}
+
 impl FileStore {
     pub fn open(dir: impl Into<PathBuf>) -> io::Result<FileStore> {
         Self::open_recycling(dir, 0)
@@ -554,18 +580,7 @@ impl FileStore {
         } else {
             self.check_known(name)?;
         }
-        let file = open_nofollow(&self.path_of(name))?;
-        let size = file.metadata()?.len();
-        if size < 16 {
-            return Err(self.corrupt(name, FormatError::TooShort { size }));
-        }
-        // SAFETY: the mapping is private; if another process truncates the file
-        // while mapped, reads past the end fault (SIGBUS). Our files are only
-        // ever created whole and unlinked, never truncated, and the directory
-        // is 0700, so only this user could do that.
-        let map = unsafe { MmapOptions::new().map_copy(&file)? };
-        let layout = format::parse_layout(&map, size).map_err(|e| self.corrupt(name, e))?;
-        Ok((map, layout))
+        map_file(&self.path_of(name))
     }
 
     /// Remove an entry from the ledger and its file from the directory
