@@ -105,7 +105,7 @@ class FileStore:
     def __len__(self) -> int: ...
     def __contains__(self, name: str) -> bool: ...
 
-# --- local shared-memory scheduler (rust/local_transport.rs) ---
+# --- local shared-memory scheduler (rust/local_transport.rs, rust/py_local_transport.rs) ---
 
 @final
 class MappedRange:
