@@ -34,15 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// The system page size (the offset of a block's bytes inside its file).
-pub fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
-}
+pub use crate::fs::page_size;
 
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to

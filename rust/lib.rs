@@ -4,13 +4,17 @@
 mod amm;
 pub mod born;
 mod born_py;
+mod errors;
 pub mod format;
+pub mod fs;
 pub mod ledger;
 mod local_transport;
 pub mod peer;
 mod py_amm;
 mod py_amm_tracker;
 mod py_buffers;
+mod py_fs;
+mod py_local_transport;
 mod py_store;
 mod py_tier;
 mod recycle;
@@ -33,12 +37,16 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_amm::replicas_to_keep, m)?)?;
     m.add_class::<py_tier::TierBudget>()?;
     m.add_function(wrap_pyfunction!(py_tier::move_entry, m)?)?;
-    m.add_class::<local_transport::MappedRange>()?;
-    m.add_function(wrap_pyfunction!(local_transport::map_frames, m)?)?;
-    m.add_function(wrap_pyfunction!(local_transport::buffer_address, m)?)?;
-    m.add_function(wrap_pyfunction!(local_transport::py_pages_unmodified, m)?)?;
+    m.add_class::<py_local_transport::MappedRange>()?;
+    m.add_function(wrap_pyfunction!(py_local_transport::map_frames, m)?)?;
+    m.add_function(wrap_pyfunction!(py_local_transport::buffer_address, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        py_local_transport::py_pages_unmodified,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(py_store::read_peer_file, m)?)?;
     m.add_function(wrap_pyfunction!(py_buffers::live_mappings, m)?)?;
+    m.add_function(wrap_pyfunction!(py_fs::is_ram_backed, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_configure, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_handler, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::set_numpy_handler, m)?)?;
@@ -49,11 +57,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(born_py::born_stats, m)?)?;
     m.add(
         "ForgedHandleError",
-        m.py().get_type::<py_store::ForgedHandleError>(),
+        m.py().get_type::<errors::ForgedHandleError>(),
     )?;
     m.add(
         "SpillFileError",
-        m.py().get_type::<py_store::SpillFileError>(),
+        m.py().get_type::<errors::SpillFileError>(),
     )?;
     Ok(())
 }

@@ -2,40 +2,16 @@
 //!
 //! Every method that touches the file system releases the GIL while it does.
 
-use std::fs;
-use std::io;
-use std::os::unix::fs::MetadataExt;
-use std::path::Path;
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyKeyError, PyOSError, PyValueError};
+use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyList, PyMemoryView};
 
-use crate::peer::{open_peer_file, PeerError, PeerFile};
+use crate::errors::{directory_error, io_error_at, peer_err, to_pyerr_at};
+use crate::peer::{open_peer_file, PeerFile};
 use crate::py_buffers::{slices_from_raw, HeldBuffer, MappedFile};
-use crate::store::{FileStore as Store, PutOutcome, StoreError};
-
-pyo3::create_exception!(
-    _core,
-    SpillFileError,
-    PyOSError,
-    "A spill file exists but cannot be read back: truncated, corrupted or not ours."
-);
-
-pyo3::create_exception!(
-    _core,
-    ForgedHandleError,
-    PyValueError,
-    "A shared-memory handle from a peer names a file we must not accept."
-);
-
-fn peer_err(e: PeerError) -> PyErr {
-    match e {
-        PeerError::Forged(_) => ForgedHandleError::new_err(e.to_string()),
-        PeerError::Io(io) => io.into(),
-    }
-}
+use crate::store::{FileStore as Store, PutOutcome};
 
 fn open_peer(
     py: Python<'_>,
@@ -65,84 +41,6 @@ pub fn read_peer_file<'py>(
     })?;
     result?;
     frame_views(py, buf.as_any(), &peer.layout.frames)
-}
-
-// --- errors ------------------------------------------------------------------
-//
-// Stock spills through `os` and `open`, whose errors are the OSError subclass of
-// their errno (FileNotFoundError, NotADirectoryError, PermissionError, ...) and
-// name the path: `[Errno 20] Not a directory: '/x/spill'`. Ours raise the same,
-// built as `OSError(errno, strerror, path)`, which Python turns into the subclass.
-
-/// The C library's message for `errno`, as Python's `os.strerror` gives it.
-fn strerror(errno: i32) -> String {
-    let text = io::Error::from_raw_os_error(errno).to_string();
-    match text.rfind(" (os error ") {
-        Some(at) => text[..at].to_owned(),
-        None => text,
-    }
-}
-
-/// `OSError(errno, message, path)`: the subclass of `errno`, naming `path`.
-fn os_error_with(errno: i32, message: String, path: &Path) -> PyErr {
-    PyOSError::new_err((errno, message, path.to_string_lossy().into_owned()))
-}
-
-/// `OSError(errno, strerror(errno), path)`.
-fn os_error(errno: i32, path: &Path) -> PyErr {
-    os_error_with(errno, strerror(errno), path)
-}
-
-/// An I/O error about `path`: with its errno, the matching OSError subclass
-/// naming `path`; errors without an errno keep their kind and message.
-fn io_error_at(e: io::Error, path: &Path) -> PyErr {
-    match e.raw_os_error() {
-        Some(errno) => os_error(errno, path),
-        None => e.into(),
-    }
-}
-
-/// Why the spill directory `dir` could not be opened, as stock reports it
-/// (`os.makedirs`): NotADirectoryError when it, or a directory above it, is
-/// not a directory, naming `dir` or the first directory that cannot be created. Ours also refuses a symbolic link (OSError
-/// ELOOP) and another user's directory (PermissionError).
-fn directory_error(e: io::Error, dir: &Path) -> PyErr {
-    match fs::symlink_metadata(dir) {
-        Ok(meta) if meta.file_type().is_symlink() => os_error_with(
-            libc::ELOOP,
-            "spill directory is a symbolic link, not a plain directory (not followed)".to_owned(),
-            dir,
-        ),
-        Ok(meta) if !meta.is_dir() => os_error(libc::ENOTDIR, dir),
-        Ok(meta) if e.raw_os_error().is_none() && e.kind() == io::ErrorKind::PermissionDenied => {
-            // SAFETY: geteuid has no preconditions.
-            let me = unsafe { libc::geteuid() };
-            let message = format!(
-                "spill directory belongs to uid {}, not to this user (uid {me})",
-                meta.uid()
-            );
-            os_error_with(libc::EACCES, message, dir)
-        }
-        Err(_) => match dir.ancestors().skip(1).find(|a| a.is_file()) {
-            // Like os.makedirs: the first directory it fails to create, the one
-            // right under the file.
-            Some(file) => {
-                let first = dir.ancestors().find(|a| a.parent() == Some(file));
-                os_error(libc::ENOTDIR, first.unwrap_or(dir))
-            }
-            None => io_error_at(e, dir),
-        },
-        _ => io_error_at(e, dir),
-    }
-}
-
-/// A store error about `path` as the Python exception stock would raise.
-pub(crate) fn to_pyerr_at(e: StoreError, path: &Path) -> PyErr {
-    match e {
-        StoreError::Missing(name) => PyKeyError::new_err(name),
-        StoreError::Corrupt { .. } => SpillFileError::new_err(e.to_string()),
-        StoreError::Io(io) => io_error_at(io, path),
-    }
 }
 
 /// Slice a buffer-exporting object into one memoryview per frame.
@@ -362,16 +260,5 @@ impl FileStore {
             self.inner.directory().display(),
             self.inner.len()
         )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::strerror;
-
-    #[test]
-    fn strerror_is_the_c_message_without_rusts_suffix() {
-        assert_eq!(strerror(libc::ENOTDIR), "Not a directory");
-        assert_eq!(strerror(libc::ENOENT), "No such file or directory");
     }
 }

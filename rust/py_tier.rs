@@ -4,7 +4,8 @@ use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 
-use crate::py_store::{to_pyerr_at, FileStore};
+use crate::errors::to_pyerr_at;
+use crate::py_store::FileStore;
 use crate::tier::{self, TierBudget as Budget};
 
 /// Move entry `name` of `src` into `dst` (copy in the kernel, account, then

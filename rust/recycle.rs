@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::MmapOptions;
 
-use crate::store::write_all_vectored;
+use crate::fs::write_all_vectored;
 
 /// Files smaller than this are deleted rather than pooled: their few pages
 /// cost less to allocate than the renames, checks and mapping that reuse
@@ -104,40 +104,15 @@ pub(crate) fn open_recycled(path: &Path) -> io::Result<(File, fs::Metadata)> {
     Ok((file, meta))
 }
 
-/// Whether `dir` is on a tmpfs.
-pub(crate) fn on_tmpfs(dir: &Path) -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::unix::ffi::OsStrExt;
-        let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
-            return false;
-        };
-        let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
-        // SAFETY: `c` is a valid C string and `st` is written on success.
-        if unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
-            return false;
-        }
-        // SAFETY: statfs succeeded.
-        let st = unsafe { st.assume_init() };
-        #[allow(clippy::unnecessary_cast)]
-        let tmpfs = st.f_type as i64 == libc::TMPFS_MAGIC as i64;
-        tmpfs
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = dir;
-        false
-    }
-}
-
 /// Overwrite a reused file of `meta` (opened by `open_recycled`) with
 /// `slices`, `total` bytes in all, leaving it exactly `total` bytes long.
 ///
 /// With `map`, the part of the file whose pages already exist is written by
 /// copying into a shared mapping of it (`MAP_POPULATE`): on a tmpfs that is
 /// much cheaper than `write`, whose per-page work in the kernel costs about
-/// as much as the copy itself. Only on a tmpfs, and only for a file with no
-/// holes: there, overwriting allocates nothing and cannot fail, whereas a
+/// as much as the copy itself. Only on a RAM-backed file system
+/// (`fs::is_ram_backed`: tmpfs, ramfs; hugetlbfs refuses `write` before a
+/// file could be pooled), and only for a file with no holes: there, overwriting allocates nothing and cannot fail, whereas a
 /// mapped write that needs space (a hole, a copy-on-write file system)
 /// raises SIGBUS when there is none. Whatever is not mapped (an extension,
 /// or all of it when mapping is refused) is written with one vectored write.

@@ -27,9 +27,9 @@
 //! Nothing here touches Python: `py_store` wraps it and releases the GIL
 //! around every call that does I/O.
 
-use std::fs::{self, DirBuilder, File, OpenOptions};
-use std::io::{self, IoSlice, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, IoSlice, Read};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -37,12 +37,11 @@ use std::sync::{Mutex, MutexGuard};
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::format::{self, FormatError, Layout};
+use crate::fs::{is_ram_backed, open_nofollow, prepare_directory, write_all_vectored};
 use crate::ledger::{Ledger, Sizes};
 use crate::peer::PeerFile;
-use crate::recycle::{on_tmpfs, open_recycled, overwrite, Pool, MIN_RECYCLE};
+use crate::recycle::{open_recycled, overwrite, Pool, MIN_RECYCLE};
 
-/// Linux refuses `writev` with more than this many buffers.
-const IOV_MAX: usize = 1024;
 static ZEROS: [u8; format::ALIGN as usize] = [0; format::ALIGN as usize];
 
 /// Distinguishes the hidden names of several stores of one process that
@@ -94,8 +93,8 @@ pub struct FileStore {
     tag: String,
     /// Files kept for reuse; None when recycling is off.
     pool: Option<Mutex<Pool>>,
-    /// The directory is on a tmpfs: reused files are written through a
-    /// mapping (see `overwrite`).
+    /// The directory is RAM-backed (`fs::is_ram_backed`): reused files are
+    /// written through a mapping (see `overwrite`).
     tmpfs: bool,
 }
 
@@ -142,63 +141,30 @@ pub fn check_name(name: &str) -> io::Result<()> {
     Ok(())
 }
 
-/// Create `dir` (mode 0700) or accept an existing directory that is not a
-/// symlink and belongs to this user.
-pub fn prepare_directory(dir: &Path) -> io::Result<()> {
-    if let Some(parent) = dir.parent() {
-        if !parent.as_os_str().is_empty() {
-            fs::create_dir_all(parent)?;
-        }
+/// Map the spill file at `path` copy-on-write (MAP_PRIVATE, readable and
+/// writable: writes never reach the file) and validate its header against
+/// its size. Refuses a symlink (`O_NOFOLLOW`). Errors: `Io` if it cannot be
+/// opened or mapped, `Corrupt` (naming `path`) if it is truncated, corrupted
+/// or not a spill file.
+///
+/// Only for files written by a `FileStore` (of any process): they are
+/// created whole and only ever unlinked, never truncated, in a 0700
+/// directory, so only this user could truncate one while it is mapped (reads
+/// past the end would then fault with SIGBUS).
+pub fn map_file(path: &Path) -> Result<(MmapMut, Layout), StoreError> {
+    let corrupt = |error| StoreError::Corrupt {
+        path: path.to_path_buf(),
+        error,
+    };
+    let file = open_nofollow(path)?;
+    let size = file.metadata()?.len();
+    if size < 16 {
+        return Err(corrupt(FormatError::TooShort { size }));
     }
-    match DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => return Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
-    }
-    let meta = fs::symlink_metadata(dir)?;
-    if meta.file_type().is_symlink() || !meta.is_dir() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("spill directory {} is not a plain directory", dir.display()),
-        ));
-    }
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    if meta.uid() != me {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!(
-                "spill directory {} belongs to uid {}, not to this user (uid {me})",
-                dir.display(),
-                meta.uid()
-            ),
-        ));
-    }
-    Ok(())
-}
-
-fn open_nofollow_read(path: &Path) -> io::Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-}
-
-/// `writev` until every byte of `slices` is written.
-pub(crate) fn write_all_vectored(
-    file: &mut File,
-    mut slices: &mut [IoSlice<'_>],
-) -> io::Result<()> {
-    while !slices.is_empty() {
-        let batch = slices.len().min(IOV_MAX);
-        match file.write_vectored(&slices[..batch]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "write returned 0")),
-            Ok(n) => IoSlice::advance_slices(&mut slices, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    // SAFETY: the mapping is private and the file is never truncated (see above).
+    let map = unsafe { MmapOptions::new().map_copy(&file)? };
+    let layout = format::parse_layout(&map, size).map_err(corrupt)?;
+    Ok((map, layout))
 }
 
 impl FileStore {
@@ -223,7 +189,7 @@ impl FileStore {
                     ..Pool::default()
                 })
             }),
-            tmpfs: recycle_bytes > 0 && on_tmpfs(&dir),
+            tmpfs: recycle_bytes > 0 && is_ram_backed(&dir),
             dir,
         })
     }
@@ -559,7 +525,7 @@ impl FileStore {
     /// the returned reader is dropped.
     pub fn open_entry(&self, name: &str) -> Result<EntryReader<'_>, StoreError> {
         self.check_known(name)?;
-        let file = open_nofollow_read(&self.path_of(name))?;
+        let file = open_nofollow(&self.path_of(name))?;
         // Counted only once the file is open, and only if the entry still
         // exists then: a removal in between could have recycled the file.
         if !self.ledger().begin_read(name) {
@@ -614,18 +580,7 @@ impl FileStore {
         } else {
             self.check_known(name)?;
         }
-        let file = open_nofollow_read(&self.path_of(name))?;
-        let size = file.metadata()?.len();
-        if size < 16 {
-            return Err(self.corrupt(name, FormatError::TooShort { size }));
-        }
-        // SAFETY: the mapping is private; if another process truncates the file
-        // while mapped, reads past the end fault (SIGBUS). Our files are only
-        // ever created whole and unlinked, never truncated, and the directory
-        // is 0700, so only this user could do that.
-        let map = unsafe { MmapOptions::new().map_copy(&file)? };
-        let layout = format::parse_layout(&map, size).map_err(|e| self.corrupt(name, e))?;
-        Ok((map, layout))
+        map_file(&self.path_of(name))
     }
 
     /// Remove an entry from the ledger and its file from the directory
@@ -899,7 +854,7 @@ mod tests {
     fn recycle_dirs() -> Vec<tempfile::TempDir> {
         let mut dirs = vec![tempfile::tempdir().unwrap()];
         if let Ok(shm) = tempfile::tempdir_in("/dev/shm") {
-            if on_tmpfs(shm.path()) {
+            if is_ram_backed(shm.path()) {
                 dirs.push(shm);
             }
         }

@@ -105,7 +105,7 @@ class FileStore:
     def __len__(self) -> int: ...
     def __contains__(self, name: str) -> bool: ...
 
-# --- local shared-memory scheduler (rust/local_transport.rs) ---
+# --- local shared-memory scheduler (rust/local_transport.rs, rust/py_local_transport.rs) ---
 
 @final
 class MappedRange:
@@ -263,6 +263,12 @@ def read_peer_file(
 
 def live_mappings() -> int:
     """Number of spill-file mappings (``MappedFile``) alive in this process."""
+
+def is_ram_backed(path: str | PathLike[str]) -> bool:
+    """Whether ``path`` lies on a RAM-backed file system (tmpfs, ramfs or
+    hugetlbfs, by ``statfs`` magic number): dask-shm's one rule for "this is
+    shared memory" (rust/fs.rs). False if ``path`` cannot be examined
+    (missing, no access) and off Linux; never raises for such paths."""
 
 # --- tiers of the shared-memory store (rust/tier.rs, rust/py_tier.rs) ---
 

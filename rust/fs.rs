@@ -1,0 +1,184 @@
+//! File-system helpers shared by the stores: opening without following a
+//! final symlink, the private (0700) directory every store lives in, writing
+//! a list of buffers completely, the page size, and the one rule deciding
+//! whether a directory is RAM-backed.
+//!
+//! Nothing here knows about spill files or Python; every other module may use
+//! it and it uses none of them.
+
+use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::io::{self, IoSlice, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+/// Linux refuses `writev` with more than this many buffers.
+const IOV_MAX: usize = 1024;
+
+/// `statfs` magic numbers of the RAM-backed file systems (linux/magic.h).
+const TMPFS_MAGIC: u32 = 0x0102_1994;
+const RAMFS_MAGIC: u32 = 0x8584_58f6;
+const HUGETLBFS_MAGIC: u32 = 0x9584_58f6;
+
+/// Open an existing file read-only, refusing a symlink as its last component
+/// (`O_NOFOLLOW`, fails with ELOOP); close-on-exec.
+pub fn open_nofollow(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// Create `dir` (mode 0700, parents as needed) or accept an existing
+/// directory that is not a symlink and belongs to this user.
+///
+/// Errors: InvalidInput if `dir` is a symlink or not a directory,
+/// PermissionDenied if it belongs to another user, or the creation's error.
+pub fn prepare_directory(dir: &Path) -> io::Result<()> {
+    if let Some(parent) = dir.parent() {
+        if !parent.as_os_str().is_empty() {
+            fs::create_dir_all(parent)?;
+        }
+    }
+    match DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = fs::symlink_metadata(dir)?;
+    if meta.file_type().is_symlink() || !meta.is_dir() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("spill directory {} is not a plain directory", dir.display()),
+        ));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "spill directory {} belongs to uid {}, not to this user (uid {me})",
+                dir.display(),
+                meta.uid()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `writev` until every byte of `slices` is written (in batches of at most
+/// `IOV_MAX` buffers, retrying on EINTR). Errors with WriteZero if the
+/// kernel accepts nothing.
+pub fn write_all_vectored(file: &mut File, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    while !slices.is_empty() {
+        let batch = slices.len().min(IOV_MAX);
+        match file.write_vectored(&slices[..batch]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "write returned 0")),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The system page size (4096 if it cannot be read).
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 {
+        size as usize
+    } else {
+        4096
+    }
+}
+
+/// Whether `path` lies on a RAM-backed file system: tmpfs, ramfs or
+/// hugetlbfs (judged by `statfs`'s magic number, so bind mounts and mounts
+/// under any name count). False when `statfs` fails (missing path, ...) and
+/// off Linux. This is the one rule for "is this shared memory" in dask-shm:
+/// Python reaches it as `dask_shm._core.is_ram_backed`.
+pub fn is_ram_backed(path: &Path) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+            return false;
+        };
+        let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+        // SAFETY: `c` is a valid C string and `st` is written on success.
+        if unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+            return false;
+        }
+        // SAFETY: statfs succeeded.
+        let st = unsafe { st.assume_init() };
+        // f_type's width and signedness vary by target; the magic numbers are
+        // 32-bit, so compare the low 32 bits.
+        #[allow(clippy::unnecessary_cast)]
+        let magic = st.f_type as u32;
+        matches!(magic, TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = path;
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn dev_shm_is_ram_backed_and_a_missing_path_is_not() {
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(!is_ram_backed(&tmp.path().join("missing")));
+        if Path::new("/dev/shm").is_dir() {
+            assert!(is_ram_backed(Path::new("/dev/shm")));
+        }
+        // /proc is a file system of its own, never RAM-backed storage.
+        assert!(!is_ram_backed(Path::new("/proc")));
+    }
+
+    #[test]
+    fn private_directories_are_created_0700_and_symlinks_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("a/b");
+        prepare_directory(&dir).unwrap();
+        let mode = fs::metadata(&dir).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        prepare_directory(&dir).unwrap();
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        let err = prepare_directory(&link).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        let file = tmp.path().join("file");
+        fs::write(&file, b"x").unwrap();
+        assert!(prepare_directory(&file).is_err());
+    }
+
+    #[test]
+    fn open_nofollow_refuses_a_symlink() {
+        let tmp = tempfile::tempdir().unwrap();
+        let target = tmp.path().join("t");
+        fs::write(&target, b"x").unwrap();
+        let link = tmp.path().join("l");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(open_nofollow(&target).is_ok());
+        let err = open_nofollow(&link).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ELOOP));
+    }
+
+    #[test]
+    fn write_all_vectored_writes_more_than_iov_max_buffers() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("f");
+        let mut file = File::create(&path).unwrap();
+        let parts: Vec<Vec<u8>> = (0..(IOV_MAX * 2 + 3)).map(|i| vec![i as u8; 3]).collect();
+        let mut slices: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p)).collect();
+        write_all_vectored(&mut file, &mut slices).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), parts.concat());
+        assert!(page_size().is_power_of_two());
+    }
+}
