@@ -19,6 +19,7 @@ from distributed.spill import SpilledSize
 from distributed.utils import RateLimiterFilter
 
 from dask_shm._core import ForgedHandleError, SpillFileError
+from dask_shm.shared.guard import ensure_value
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, SpillStore
 
 if TYPE_CHECKING:
@@ -177,9 +178,13 @@ class SpillBuffer(zict.Buffer[Key, object]):
         Exception
             ``value`` exceeds ``target`` and failed to pickle; it was forgotten.
 
+        HandleLeakError
+            ``value`` is a shared-memory handle, not a value (nothing stored).
+
         Any other failure (an older value failed to pickle, OSError, max_spill
         reached) is logged and the key that caused it stays in memory.
         """
+        ensure_value(key, value)
         try:
             if self.shared:
                 self._shared_setitem(key, value)

@@ -20,6 +20,10 @@ from dask_shm.shared import paths
 CACHE_SECONDS = 2.0
 
 
+def _serializing_address(address: str) -> bool:
+    return not address.startswith("inproc://")
+
+
 class PeerRegistry:
     def __init__(self, root: str):
         self.directory = os.path.join(paths.user_root(root), "peers")
@@ -30,7 +34,11 @@ class PeerRegistry:
         return os.path.join(self.directory, quote(address, safe=""))
 
     def register(self, address: str) -> None:
-        """Announce that the worker at ``address`` (this process) accepts handles."""
+        """Announce that the worker at ``address`` (this process) accepts handles.
+        An ``inproc://`` address is never announced: its messages are not
+        serialized, so it could not turn a handle back into a value."""
+        if not _serializing_address(address):
+            return
         me = paths.ProcessIdentity.current()
         tmp = f"{self._path(address)}.{me.pid}.tmp"
         with open(tmp, "w") as f:
@@ -49,7 +57,7 @@ class PeerRegistry:
 
     def accepts_handles(self, address: str | None) -> bool:
         """Whether ``address`` is a live worker of this host in shared-memory mode."""
-        if not address:
+        if not address or not _serializing_address(address):
             return False
         now = time.monotonic()
         cached = self._cache.get(address)
