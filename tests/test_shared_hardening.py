@@ -65,10 +65,11 @@ def test_in_process_workers_get_values_not_handles(protocol: str) -> None:
 def test_a_handle_never_enters_a_buffer(tmp_path) -> None:
     """The loud check at the boundary: a handle offered as a value is refused
     with an error naming the key, in private and shared buffers alike."""
+    from distributed.protocol.serialize import to_serialize
+
     from dask_shm import SpillBuffer
     from dask_shm.shared.guard import HandleLeakError
     from dask_shm.shared.store import Handle
-    from distributed.protocol.serialize import to_serialize
 
     handle = Handle("/dev/shm/nowhere", 100, 100, 100)
     for shared in (False, True):
