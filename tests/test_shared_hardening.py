@@ -79,3 +79,162 @@ def test_a_handle_never_enters_a_buffer(tmp_path) -> None:
                 buffer["leaked"] = value
             assert "leaked" not in buffer
         buffer.close()
+
+
+# -- item 2: liveness by lock, across PID namespaces; clean close ---------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import dask  # noqa: E402
+
+from dask_shm.shared import paths  # noqa: E402
+from dask_shm.shared.registry import PeerRegistry  # noqa: E402
+
+_NAMESPACED_WORKER = r"""
+import json, os, sys
+import numpy as np
+import dask.config
+root = sys.argv[1]
+dask.config.set({"shm.shared-memory.root": root})
+from dask_shm import SpillBuffer
+from dask_shm.shared import paths
+from dask_shm.shared.registry import PeerRegistry
+buf = SpillBuffer(None, target=2**30, shared=True)
+assert buf.shared
+buf["x"] = np.arange(2**17, dtype=float)
+buf.evict()
+PeerRegistry(root).register("tcp://10.1.2.3:4567")
+print(json.dumps([os.getpid(), paths.process_dir(root)]), flush=True)
+for line in sys.stdin:
+    if line.strip() == "sweep":
+        print(json.dumps(paths.sweep_dead_processes(root)), flush=True)
+    elif line.strip() == "read":
+        print(json.dumps(float(buf["x"].sum())), flush=True)
+"""
+
+
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
+
+
+def _unshare_available() -> str | None:
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run([*UNSHARE, "true"], capture_output=True)
+    return None if probe.returncode == 0 else f"unshare failed: {probe.stderr.decode()}"
+
+
+@pytest.fixture
+def root(shm_dir):
+    with dask.config.set({"shm.shared-memory.root": shm_dir}):
+        yield shm_dir
+
+
+def test_sweeps_spare_live_data_across_pid_namespaces(root) -> None:
+    """A process in another PID namespace sharing the root keeps its files and
+    its peer entry through our sweeps, and ours through its sweeps; once it is
+    killed, a sweep removes both."""
+    why = _unshare_available()
+    if why:
+        pytest.skip(why)
+    from dask_shm import SpillBuffer
+
+    mine = SpillBuffer(None, target=2**30, shared=True)
+    mine["y"] = np.ones(2**17)
+    mine.evict()
+    my_dir = paths.process_dir(root)
+    registry = PeerRegistry(root)
+    registry.register("tcp://10.9.9.9:1")
+    child = subprocess.Popen(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-c",
+            _NAMESPACED_WORKER,
+            root,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        pid_inside, their_dir = json.loads(child.stdout.readline())
+        assert pid_inside != child.pid  # it really is another PID namespace
+        assert paths.sweep_dead_processes(root) == []
+        assert os.path.isdir(their_dir)
+        assert registry.accepts_handles("tcp://10.1.2.3:4567")
+        child.stdin.write("sweep\n")
+        child.stdin.flush()
+        assert json.loads(child.stdout.readline()) == []
+        assert os.path.isdir(my_dir) and (mine["y"] == 1).all()
+        assert PeerRegistry(root).accepts_handles("tcp://10.9.9.9:1")
+        child.stdin.write("read\n")
+        child.stdin.flush()
+        assert json.loads(child.stdout.readline()) == float(np.arange(2**17).sum())
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    # Its init process may still be exiting (dropping its locks) for a moment.
+    deadline = time.monotonic() + 30
+    while (swept := paths.sweep_dead_processes(root)) == [] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert swept == [their_dir]
+    assert not PeerRegistry(root).accepts_handles("tcp://10.1.2.3:4567")
+    assert os.listdir(registry.directory) == ["tcp%3A%2F%2F10.9.9.9%3A1"]
+    registry.unregister("tcp://10.9.9.9:1")
+    mine.close()
+
+
+def _process_dir_of(dask_worker) -> str:
+    return os.path.dirname(dask_worker.data.spill_directory)
+
+
+def test_a_clean_close_leaves_nothing_behind(root) -> None:
+    """Real worker processes (one killed and restarted on the way): after the
+    cluster closes, no process directory and no peer entry is left."""
+    from dask_shm import SharedMemoryNannyPlugin
+
+    user_root = paths.user_root(root)
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            memory_limit="1 GiB",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(SharedMemoryNannyPlugin(root=root))
+        client.register_plugin(SharedMemoryPlugin(root=root))
+        a, b = sorted(client.scheduler_info()["workers"])
+        x = client.submit(np.full, 2 * MB, 1.0, workers=[a], key="x")
+        assert client.submit(lambda v: float(v.sum()), x, workers=[b]).result() == 2 * MB
+        assert (
+            client.run(lambda dask_worker: dask_worker.data.shm_counters["link_transfers"])[a] == 1
+        )
+        assert len(os.listdir(os.path.join(user_root, "peers"))) == 2
+        os.kill(client.run(os.getpid, workers=[a])[a], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (
+            a in client.scheduler_info()["workers"] or len(client.scheduler_info()["workers"]) < 2
+        ):
+            assert time.monotonic() < deadline, "the nanny did not restart the worker"
+            time.sleep(0.2)
+        client.wait_for_workers(2)
+        assert all(client.run(lambda dask_worker: dask_worker.data.shared).values())
+        # the killed worker's entry is gone (swept when its successor started)
+        assert len(os.listdir(os.path.join(user_root, "peers"))) == 2
+    left = [n for n in os.listdir(user_root) if n != "peers"]
+    assert left == []
+    assert os.listdir(os.path.join(user_root, "peers")) == []

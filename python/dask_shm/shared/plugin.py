@@ -75,6 +75,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         install_spill_buffer(worker, buffer)
         transfer.enable_receiving(root)
         self._directory = directory
+        self._shm_root = root
         self._registry = PeerRegistry(root)
         self._original_get_data = install_get_data(worker, buffer, self._registry)
         self._registry.register(worker.address)
@@ -91,6 +92,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         monitor.uninstall_worker_monitor(worker)
         metrics.uninstall(worker)
         shutil.rmtree(self._directory, ignore_errors=True)
+        paths.release_process_dir(self._shm_root)
 
 
 class SharedMemoryNannyPlugin(NannyPlugin):

@@ -18,6 +18,7 @@ fallback is counted.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -92,7 +93,8 @@ class _Incoming:
 
     def enable(self, root: str) -> None:
         with self.lock:
-            if self.root != root:
+            gone = self.store is None or not os.path.isdir(self.store.directory)
+            if self.root != root or gone:  # gone: released by paths.release_process_dir
                 self.store = FileStore(paths.subdir(root, "incoming"))
                 self.root = root
 
