@@ -238,3 +238,43 @@ def test_a_clean_close_leaves_nothing_behind(root) -> None:
     left = [n for n in os.listdir(user_root) if n != "peers"]
     assert left == []
     assert os.listdir(os.path.join(user_root, "peers")) == []
+
+
+# -- item 4: accounting by what is actually mapped ------------------------------------
+
+
+def _fast_bytes(dask_worker) -> tuple[int, int]:
+    """(private bytes of the bytes values in memory, the buffer's target)."""
+    fast = dask_worker.data.fast
+    held = sum(len(v) for v in fast.values() if isinstance(v, (bytes, bytearray)))
+    return held, dask_worker.data.n
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_bytes_values_weigh_their_full_size(root, kind) -> None:
+    """A worker holding many bytes values read back from its files still
+    spills at its target: they come back as private copies, not mappings."""
+    config = {
+        "distributed.worker.memory.target": 0.5,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": False,
+        "distributed.worker.memory.terminate": False,
+    }
+    with (
+        dask.config.set(config),
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            memory_limit="128 MiB",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(SharedMemoryPlugin(root=root))
+        values = [client.submit(kind, 4 * MB, key=f"b-{i}") for i in range(40)]
+        client.gather(values)  # 160 MiB made, the target is 64 MiB: most spilled
+        total = client.submit(lambda *vs: sum(len(v) for v in vs), *values).result()
+        assert total == 160 * MB  # every value was read back
+        held, target = client.run(_fast_bytes).popitem()[1]
+        assert 0 < held <= target

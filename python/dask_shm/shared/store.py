@@ -32,7 +32,7 @@ from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm._core import live_mappings
-from dask_shm.shared.payload import worth_sharing
+from dask_shm.shared.payload import read_tracking_mapping, worth_sharing
 from dask_shm.spill_store import PickleError, SpillStore, file_stem, serialize_unsplit
 
 
@@ -152,7 +152,7 @@ class SharedSpillStore(SpillStore):
             self.degraded_reads += 1
             return self._read(key, name, mapped=False), False
         try:
-            return self._read(key, name, mapped=True), True
+            return read_tracking_mapping(lambda: self._read(key, name, mapped=True))
         except OSError as e:
             if e.errno not in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
                 raise
