@@ -278,3 +278,120 @@ def test_bytes_values_weigh_their_full_size(root, kind) -> None:
         assert total == 160 * MB  # every value was read back
         held, target = client.run(_fast_bytes).popitem()[1]
         assert 0 < held <= target
+
+
+# -- item 5: truncating or overwriting a file behind a value ----------------------------
+
+#: Run as the same uid without the capabilities that bypass file permissions:
+#: what a worker of an ordinary user is.
+UNPRIVILEGED = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+
+_HOLDER = r"""
+import json, os, sys
+import numpy as np
+import dask.config
+dask.config.set({"shm.shared-memory.root": sys.argv[1]})
+from dask_shm import SpillBuffer
+buf = SpillBuffer(None, target=2**30, shared=True)
+buf["x"] = np.arange(2**20, dtype=float)
+buf.evict()
+value = buf["x"]  # mapped from its file, which is kept
+store = buf._slow_uncached
+assert "x" in store.retained
+print(json.dumps(store.path("x")), flush=True)
+sys.stdin.readline()
+print(json.dumps(float(value.sum())), flush=True)
+"""
+
+_TAMPER = r"""
+import json, os, sys
+path = sys.argv[1]
+out = {}
+try:
+    os.truncate(path, 0)
+    out["truncate"] = "done"
+except OSError as e:
+    out["truncate"] = type(e).__name__
+try:
+    with open(path, "r+b") as f:
+        f.seek(4096 * 64)
+        f.write(b"\xff" * 4096)
+    out["overwrite"] = "done"
+except OSError as e:
+    out["overwrite"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_same_user_cannot_truncate_or_overwrite_a_mapped_value(root) -> None:
+    """A worker's mapped value survives another process of the same
+    (unprivileged) user trying to truncate and overwrite its file: refused,
+    the worker lives on (no SIGBUS) and reads the original value."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv command")
+    holder = subprocess.Popen(
+        [*UNPRIVILEGED, sys.executable, "-c", _HOLDER, root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        path = json.loads(holder.stdout.readline())
+        tamper = subprocess.run(
+            [*UNPRIVILEGED, sys.executable, "-c", _TAMPER, path],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert json.loads(tamper.stdout) == {
+            "truncate": "PermissionError",
+            "overwrite": "PermissionError",
+        }
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert json.loads(holder.stdout.readline()) == float(np.arange(2**20).sum())
+    finally:
+        holder.stdin.close()  # type: ignore[union-attr]
+        rc = holder.wait(timeout=60)
+    assert rc == 0
+
+
+def _overwrite_payload(path: str) -> None:
+    """What a privileged process can still do: same size, other bytes."""
+    os.chmod(path, 0o600)
+    time.sleep(0.02)  # beyond the file system's timestamp granularity
+    with open(path, "r+b") as f:
+        f.seek(-4096, os.SEEK_END)
+        f.write(b"\xff" * 4096)
+
+
+def test_an_overwritten_spilled_file_is_an_error_naming_the_key(root) -> None:
+    """Where a file can still be changed (by root), reading it back, handing
+    it to a peer or evicting a value it backs raises an error naming the key
+    instead of silently returning other data."""
+    from dask_shm import SpillBuffer, SpillFileError
+
+    buf = SpillBuffer(None, target=2**30, shared=True)
+    buf["spilled"] = np.arange(2**17, dtype=float)
+    buf.evict()
+    store = buf._slow_uncached
+    _overwrite_payload(store.path("spilled"))
+    with pytest.raises(SpillFileError, match="'spilled'.*overwritten"):
+        buf["spilled"]
+    assert buf.export("spilled") is None  # refused: the peer gets bytes or an error
+    del buf["spilled"]  # the key can still be deleted
+
+    buf["held"] = np.arange(2**17, dtype=float)
+    buf.evict()
+    value = buf["held"]
+    assert "held" in store.retained
+    with open(store.path("held"), "r+b") as f:  # root: truncation goes through
+        os.chmod(store.path("held"), 0o600)
+        time.sleep(0.02)
+        f.truncate(os.fstat(f.fileno()).st_size - 4096 * 2)
+    del value  # (touching its last pages now would SIGBUS: the residual risk)
+    assert buf.evict() == -1  # refused, logged with the key; nothing written
+    with pytest.raises(SpillFileError, match="'held'.*truncated"):
+        store.release("held", buf.fast["held"])
+    buf.close()

@@ -32,6 +32,7 @@ from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm._core import live_mappings
+from dask_shm.shared import integrity
 from dask_shm.shared.payload import read_tracking_mapping, worth_sharing
 from dask_shm.spill_store import PickleError, SpillStore, file_stem, serialize_unsplit
 
@@ -105,6 +106,8 @@ class SharedSpillStore(SpillStore):
         )
         self._map_budget = max_map_count() // 2
         self.degraded_reads = 0
+        #: file name -> what it looked like when written or adopted
+        self.fingerprints: dict[str, integrity.Fingerprint] = {}
 
     # -- writing -------------------------------------------------------------
 
@@ -122,6 +125,7 @@ class SharedSpillStore(SpillStore):
         with context_meter.add_callback(self._record):
             frames, shareable = self._prepare(key, value)
             name = self._write(key, frames, safe_sizeof(value))
+        self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
         if shareable is not None:
             self.shareable[name] = shareable
         self._private_cache.pop(key, None)
@@ -129,6 +133,7 @@ class SharedSpillStore(SpillStore):
 
     def _forget_file(self, name: str) -> None:
         self.shareable.pop(name, None)
+        self.fingerprints.pop(name, None)
         super()._forget_file(name)
 
     # -- reading -------------------------------------------------------------
@@ -138,6 +143,7 @@ class SharedSpillStore(SpillStore):
         True when the value lives in a mapping of its file (the caller may then
         :meth:`retain` the file instead of deleting it)."""
         name = self.filenames[key]
+        integrity.verify(key, str(self.files.path(name)), self.fingerprints.get(name))
         if name not in self.shareable:
             cached = self._private_cache.get(key)
             if cached is not None:
@@ -181,6 +187,7 @@ class SharedSpillStore(SpillStore):
         r = self.retained.get(key)
         if r is None or r.value_id != id(value):
             return False
+        integrity.verify(key, str(self.files.path(r.name)), self.fingerprints.get(r.name))
         del self.retained[key]
         self.files.set_memory(r.name, r.memory)
         self._register(key, r.name)
@@ -225,6 +232,7 @@ class SharedSpillStore(SpillStore):
         name = self.file_of(key)
         if name is None or name not in self.shareable:
             return None
+        integrity.verify(key, str(self.files.path(name)), self.fingerprints.get(name))
         memory, _ = self.files.sizes(name)
         r = self.retained.get(key)
         if r is not None:
@@ -240,6 +248,7 @@ class SharedSpillStore(SpillStore):
             self.root, handle.path, handle.size, file_stem(key), handle.memory
         )
         self.shareable[name] = handle.shareable
+        self.fingerprints[name] = integrity.fingerprint(str(self.files.path(name)))
         return name
 
     def __repr__(self) -> str:
