@@ -395,3 +395,70 @@ def test_an_overwritten_spilled_file_is_an_error_naming_the_key(root) -> None:
     with pytest.raises(SpillFileError, match="'held'.*truncated"):
         store.release("held", buf.fast["held"])
     buf.close()
+
+
+# -- item 6: foreign user directory, peer files outside it, in-place writes -------------
+
+
+def test_a_user_directory_that_is_not_ours_means_private_spilling(root, capfd) -> None:
+    """``<root>/dask-shm-<uid>`` made by another user: worker processes with the
+    preload log one warning naming the directory and the fix, then spill
+    privately with dask-shm's SpillBuffer (not a traceback and stock)."""
+    from dask_shm import SpillBuffer
+
+    foreign = os.path.join(root, f"dask-shm-{os.geteuid()}")
+    os.mkdir(foreign, 0o777)
+    os.chown(foreign, 65534, 65534)
+    config = {
+        "distributed.worker.preload": ["dask_shm"],
+        "distributed.nanny.preload": ["dask_shm"],
+        "shm.shared-memory.enabled": True,
+        "shm.shared-memory.root": root,
+    }
+    with (
+        dask.config.set(config),
+        LocalCluster(
+            n_workers=1, processes=True, memory_limit="1GiB", dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        kinds = client.run(
+            lambda dask_worker: (
+                isinstance(dask_worker.data, SpillBuffer),
+                getattr(dask_worker.data, "shared", None),
+            )
+        )
+        assert list(kinds.values()) == [(True, False)]
+        assert client.submit(lambda: 21 * 2).result() == 42
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "uid 65534" in line]
+    assert len(warnings) == 1, err
+    assert foreign in warnings[0] and "shm.shared-memory.root" in warnings[0]
+    assert "Traceback" not in err
+    assert os.listdir(foreign) == []  # nothing of ours went there
+
+
+def test_peer_files_are_accepted_only_under_our_user_directory(root) -> None:
+    """A valid spill file of our uid under the root, but outside
+    ``<root>/dask-shm-<uid>``, is refused as a handle."""
+    from dask_shm import ForgedHandleError, SpillBuffer
+    from dask_shm.shared import transfer
+    from dask_shm.shared.store import Handle
+
+    buf = SpillBuffer(None, target=2**30, shared=True)
+    buf["x"] = np.ones(2**17)
+    handle = buf.export("x")
+    assert handle is not None
+    beside = os.path.join(root, "beside")
+    os.mkdir(beside, 0o700)
+    moved = os.path.join(beside, "x")
+    os.link(handle.path, moved)
+    os.unlink(handle.path)
+    transfer.enable_receiving(root)
+    with pytest.raises(ForgedHandleError, match="outside"):
+        transfer.receive(Handle(moved, handle.size, handle.memory, handle.shareable))
+    other = SpillBuffer(None, target=2**30, shared=True)
+    with pytest.raises(ForgedHandleError, match="outside"):
+        other._shared_store.adopt("x", Handle(moved, handle.size, 0, 0))
+    buf.close()
+    other.close()

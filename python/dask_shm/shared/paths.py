@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -100,6 +101,28 @@ def check_root(root: str) -> None:
         )
     if not os.access(root, os.W_OK | os.X_OK):
         raise UnusableRoot(f"shared-memory root {root} is not writable by this user")
+    _check_user_dir(os.path.join(root, f"dask-shm-{os.geteuid()}"))
+
+
+def _check_user_dir(path: str) -> None:
+    """Raise UnusableRoot if this user's directory exists but is not a real
+    directory of ours (another user made it first, or it is a symlink)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UnusableRoot(f"{path} cannot be examined: {e}") from e
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+    elif st.st_uid != os.geteuid():
+        what = f"a directory of uid {st.st_uid}, not of this user (uid {os.geteuid()})"
+    else:
+        return
+    raise UnusableRoot(
+        f"{path} is {what}: this user's shared-memory files cannot go there. "
+        "Remove it (as its owner or root), or set shm.shared-memory.root to another tmpfs"
+    )
 
 
 def process_start_time(pid: int) -> int | None:
