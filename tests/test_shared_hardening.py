@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 
 from dask_shm import SharedMemoryPlugin
 
@@ -462,3 +462,45 @@ def test_peer_files_are_accepted_only_under_our_user_directory(root) -> None:
         other._shared_store.adopt("x", Handle(moved, handle.size, 0, 0))
     buf.close()
     other.close()
+
+
+def _write_in_place(v: np.ndarray) -> None:
+    v[:] = 7.0
+
+
+def _evict_all(dask_worker) -> None:
+    while dask_worker.data.fast:
+        if dask_worker.data.evict() == -1:
+            raise AssertionError("eviction failed")
+
+
+def test_a_value_written_in_place_survives_eviction_and_transfer(root) -> None:
+    """As in stock: a task that writes to its input in place changes the
+    value held by the worker; evicting it (back to its file) and sending it to
+    another worker keep the change instead of reverting to the file."""
+    config = {"distributed.scheduler.active-memory-manager.start": False}
+    with (
+        dask.config.set(config),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            memory_limit="1 GiB",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(SharedMemoryPlugin(root=root))
+        a, b = sorted(client.scheduler_info()["workers"])
+        x = client.submit(np.ones, MB, key="x", workers=[a])
+        wait(x)
+        client.run(_evict_all, workers=[a])
+        # x comes back mapped from its file, then is written to in place
+        client.submit(_write_in_place, x, workers=[a], pure=False).result()
+        retained = client.run(lambda dask_worker: "x" in dask_worker.data._slow_uncached.retained)
+        assert retained[a]
+        seen_by_b = client.submit(lambda v: float(v.sum()), x, workers=[b]).result()
+        assert seen_by_b == 7.0 * MB
+        client.run(_evict_all, workers=[a])
+        assert float(client.submit(lambda v: v.sum(), x, workers=[a]).result()) == 7.0 * MB
+        assert float(x.result().sum()) == 7.0 * MB

@@ -32,7 +32,7 @@ from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm._core import live_mappings
-from dask_shm.shared import integrity
+from dask_shm.shared import dirty, integrity
 from dask_shm.shared.payload import read_tracking_mapping, worth_sharing
 from dask_shm.spill_store import PickleError, SpillStore, file_stem, serialize_unsplit
 
@@ -188,6 +188,9 @@ class SharedSpillStore(SpillStore):
         if r is None or r.value_id != id(value):
             return False
         integrity.verify(key, str(self.files.path(r.name)), self.fingerprints.get(r.name))
+        if dirty.written_in_place(str(self.files.path(r.name))):
+            self.discard_retained(key)  # the caller writes the value as it is now
+            return False
         del self.retained[key]
         self.files.set_memory(r.name, r.memory)
         self._register(key, r.name)
@@ -235,6 +238,8 @@ class SharedSpillStore(SpillStore):
         integrity.verify(key, str(self.files.path(name)), self.fingerprints.get(name))
         memory, _ = self.files.sizes(name)
         r = self.retained.get(key)
+        if r is not None and dirty.written_in_place(str(self.files.path(name))):
+            return None  # written in place: the file is no longer the value
         if r is not None:
             memory = r.memory
         path = str(self.files.link_out(name, self.outgoing_directory))
