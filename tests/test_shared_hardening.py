@@ -4,13 +4,34 @@ Real clusters, real processes, real /dev/shm files."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
 
 from dask_shm import SharedMemoryPlugin
+from dask_shm.shared import paths
+from dask_shm.shared.registry import PeerRegistry
 
 MB = 2**20
+
+
+@pytest.fixture
+def root(shm_dir):
+    with dask.config.set({"shm.shared-memory.root": shm_dir}):
+        yield shm_dir
+
+
+# Every test uses a private root (a fresh directory on /dev/shm): other
+# programs' directories under /dev/shm are never swept by these tests.
 
 
 def _array_results(client: Client) -> tuple[float, float]:
@@ -32,7 +53,7 @@ def _expected() -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("protocol", ["inproc", "tcp"])
-def test_in_process_workers_get_values_not_handles(protocol: str) -> None:
+def test_in_process_workers_get_values_not_handles(root, protocol: str) -> None:
     """processes=False: values between workers of one process are never
     handles over inproc:// (messages are not serialized there); over tcp://
     they may be, and come back as values."""
@@ -47,7 +68,7 @@ def test_in_process_workers_get_values_not_handles(protocol: str) -> None:
         ) as cluster,
         Client(cluster) as client,
     ):
-        client.register_plugin(SharedMemoryPlugin())
+        client.register_plugin(SharedMemoryPlugin(root=root))
         assert all(client.run(lambda dask_worker: dask_worker.data.shared).values())
         assert _array_results(client) == pytest.approx(_expected(), rel=1e-12)
         a, b = cluster.workers.values()
@@ -62,7 +83,7 @@ def test_in_process_workers_get_values_not_handles(protocol: str) -> None:
             assert links > 0
 
 
-def test_a_handle_never_enters_a_buffer(tmp_path) -> None:
+def test_a_handle_never_enters_a_buffer(root) -> None:
     """The loud check at the boundary: a handle offered as a value is refused
     with an error naming the key, in private and shared buffers alike."""
     from distributed.protocol.serialize import to_serialize
@@ -73,7 +94,8 @@ def test_a_handle_never_enters_a_buffer(tmp_path) -> None:
 
     handle = Handle("/dev/shm/nowhere", 100, 100, 100)
     for shared in (False, True):
-        buffer = SpillBuffer(str(tmp_path / f"b{shared}"), 10 * MB, shared=shared)
+        buffer = SpillBuffer(os.path.join(root, f"b{shared}"), 10 * MB, shared=shared)
+        assert buffer.shared == shared
         for value in (handle, to_serialize(handle)):
             with pytest.raises(HandleLeakError, match="'leaked'"):
                 buffer["leaked"] = value
@@ -83,18 +105,6 @@ def test_a_handle_never_enters_a_buffer(tmp_path) -> None:
 
 # -- item 2: liveness by lock, across PID namespaces; clean close ---------------------
 
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import dask  # noqa: E402
-
-from dask_shm.shared import paths  # noqa: E402
-from dask_shm.shared.registry import PeerRegistry  # noqa: E402
 
 _NAMESPACED_WORKER = r"""
 import json, os, sys
@@ -127,12 +137,6 @@ def _unshare_available() -> str | None:
         return "no unshare command"
     probe = subprocess.run([*UNSHARE, "true"], capture_output=True)
     return None if probe.returncode == 0 else f"unshare failed: {probe.stderr.decode()}"
-
-
-@pytest.fixture
-def root(shm_dir):
-    with dask.config.set({"shm.shared-memory.root": shm_dir}):
-        yield shm_dir
 
 
 def test_sweeps_spare_live_data_across_pid_namespaces(root) -> None:
@@ -441,7 +445,8 @@ def test_a_user_directory_that_is_not_ours_means_private_spilling(root, capfd) -
 def test_peer_files_are_accepted_only_under_our_user_directory(root) -> None:
     """A valid spill file of our uid under the root, but outside
     ``<root>/dask-shm-<uid>``, is refused as a handle."""
-    from dask_shm import ForgedHandleError, SpillBuffer
+    from dask_shm import SpillBuffer
+    from dask_shm._core import ForgedHandleError
     from dask_shm.shared import transfer
     from dask_shm.shared.store import Handle
 
