@@ -40,6 +40,7 @@ from distributed.sizeof import safe_sizeof
 
 from dask_shm._core import ForgedHandleError, read_peer_file
 from dask_shm.shared import limits, paths
+from dask_shm.shared.guard import ensure_value
 from dask_shm.shared.store import Handle, SharedSpillStore
 from dask_shm.spill import SpillBuffer
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, file_stem, frames_to_object
@@ -198,6 +199,13 @@ class SharedSpillBuffer(SpillBuffer):
     def _weight(self, key: Key, value: object) -> int:
         private = self.store.private_weight(key, value)
         return safe_sizeof(value) if private is None else private
+
+    def __setitem__(self, key: Key, value: object) -> None:
+        """As :meth:`dask_shm.SpillBuffer.__setitem__`; additionally raises
+        :class:`~dask_shm.shared.guard.HandleLeakError` (nothing stored) when
+        ``value`` is a shared-memory handle instead of the value it names."""
+        ensure_value(key, value)
+        super().__setitem__(key, value)
 
     def _insert(self, key: Key, value: object) -> None:
         store = self.store
