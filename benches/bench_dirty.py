@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dask_shm import SpillBuffer
-from dask_shm.shared import dirty
+from dask_shm.shared import SharedSpillBuffer, dirty
 
 SIZE = 256 * 2**20
 
@@ -31,7 +31,7 @@ def mapped_value():
         tempfile.TemporaryDirectory(dir="/dev/shm") as root,
         dask.config.set({"shm.shared-memory.root": root}),
     ):
-        buf = SpillBuffer(None, target=2**40, shared=True)
+        buf = SharedSpillBuffer.from_config(2**40)
         buf["x"] = np.ones(SIZE // 8)
         buf.evict()
         value = buf["x"]
@@ -44,7 +44,7 @@ def mapped_value():
 @pytest.mark.parametrize("impl", ["stock", "ours"])
 def test_evict_unchanged(benchmark, mapped_value, impl: str) -> None:
     buf, value, root = mapped_value
-    path = buf._slow_uncached.path("x")
+    path = buf.store.path("x")
     store = SpillBuffer(os.path.join(root, "rewrite"), target=2**40)
 
     def rewrite() -> None:
