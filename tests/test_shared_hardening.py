@@ -638,3 +638,39 @@ def test_tier3_directories_follow_the_lock_rule(tmp_path) -> None:
         child.wait(timeout=60)
     assert paths.sweep_dead_processes(disk_root, peers=False) == [fake]
     assert os.listdir(paths.user_dir_path(disk_root)) == []
+
+
+class CopiedOnLoad:
+    """A value pickled with an out-of-band buffer (so it looks shareable) whose
+    constructor copies that buffer: it never lives in a mapping."""
+
+    def __init__(self, data) -> None:
+        self.data = bytes(data)
+
+    def __reduce_ex__(self, protocol):
+        import pickle
+
+        return type(self), (pickle.PickleBuffer(self.data),)
+
+    def __sizeof__(self) -> int:
+        return len(self.data)
+
+
+def test_a_received_value_that_is_a_private_copy_weighs_its_full_size(root) -> None:
+    """A file handed over whose value deserializes into a private copy is not
+    kept as if it backed the value: the link goes at once, and the stored
+    value weighs its full size."""
+    sender = SharedSpillBuffer.from_config(2**30)
+    receiver = SharedSpillBuffer.from_config(2**30)
+    sender["c"] = CopiedOnLoad(b"x" * (4 * MB))
+    handle = sender.export("c")
+    assert handle is not None and handle.shareable >= 4 * MB  # looks shareable
+    value = receiver.receive(handle)
+    assert isinstance(value, CopiedOnLoad) and value.data == b"x" * (4 * MB)
+    assert receiver.pending_arrivals() == 0
+    assert receiver.store.files.names() == []
+    receiver["c"] = value
+    assert receiver.fast.weights["c"] >= 4 * MB
+    assert "c" not in receiver.store.retained
+    sender.close()
+    receiver.close()
