@@ -2,10 +2,12 @@
 //!
 //! A handle received from a peer is data from the network: a path and a size.
 //! Before anything is linked or mapped, [`open_peer_file`] checks that the path
-//! lies inside the expected shared-memory root (after resolving every directory
-//! component), that the last component is not a symlink (`O_NOFOLLOW`), that
-//! it is a regular file owned by this user, that its size is the announced size
-//! and that it carries a valid spill-file header for exactly that size. It
+//! lies inside this user's directory `<root>/dask-shm-<uid>` of the expected
+//! root (the tmpfs root for tier 2, the disk root for tier 3; after resolving
+//! every directory component), that the last component is not a symlink
+//! (`O_NOFOLLOW`), that it is a regular file owned by this user, that its size
+//! is the announced size and that it carries a valid spill-file header for
+//! exactly that size. It
 //! keeps the file open, so everything afterwards (linking, reading) acts on the
 //! inode that was checked, not on whatever the path names a moment later.
 
@@ -54,7 +56,15 @@ fn forged(path: &Path, why: impl std::fmt::Display) -> PeerError {
     PeerError::Forged(format!("{}: {why}", path.display()))
 }
 
-/// Open `path` as a spill file of exactly `size` bytes inside `root`.
+/// This user's directory under a shared-memory root: `<root>/dask-shm-<uid>`.
+pub fn user_dir(root: &Path) -> PathBuf {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    root.join(format!("dask-shm-{me}"))
+}
+
+/// Open `path` as a spill file of exactly `size` bytes inside this user's
+/// directory of `root` (see [`user_dir`]).
 pub fn open_peer_file(root: &Path, path: &Path, size: u64) -> Result<PeerFile, PeerError> {
     if !path.is_absolute() || path.components().any(|c| c == Component::ParentDir) {
         return Err(forged(path, "not an absolute path without '..'"));
@@ -62,16 +72,20 @@ pub fn open_peer_file(root: &Path, path: &Path, size: u64) -> Result<PeerFile, P
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(forged(path, "no file name"));
     };
-    let root = root
-        .canonicalize()
-        .map_err(|e| forged(path, format!("shared-memory root {}: {e}", root.display())))?;
+    let root = user_dir(root);
+    let root = root.canonicalize().map_err(|e| {
+        forged(
+            path,
+            format!("shared-memory directory {}: {e}", root.display()),
+        )
+    })?;
     let parent = parent
         .canonicalize()
         .map_err(|e| forged(path, format!("directory cannot be resolved: {e}")))?;
     if !parent.starts_with(&root) {
         return Err(forged(
             path,
-            format!("outside the shared-memory root {}", root.display()),
+            format!("outside the shared-memory directory {}", root.display()),
         ));
     }
     let resolved = parent.join(name);
@@ -169,7 +183,7 @@ mod tests {
     use std::os::unix::fs::symlink;
 
     fn spill_file(root: &Path) -> (FileStore, PathBuf, u64) {
-        let store = FileStore::open(root.join("w1")).unwrap();
+        let store = FileStore::open(user_dir(root).join("w1")).unwrap();
         let PutOutcome::Stored { name, disk } =
             store.put("k", &[b"abc", &[5u8; 100]], 1, None).unwrap()
         else {
@@ -208,19 +222,27 @@ mod tests {
         };
         assert!(forged_kind(&foreign, foreign_disk), "outside the root");
         assert!(forged_kind(&path, disk + 1), "wrong size");
-        let link = root.join("w1").join("sym");
+        let link = user_dir(&root).join("w1").join("sym");
         symlink(&path, &link).unwrap();
         assert!(forged_kind(&link, disk), "symlink");
-        let dir_link = root.join("escape");
+        let dir_link = user_dir(&root).join("escape");
         symlink(outside.path(), &dir_link).unwrap();
         let via = dir_link.join(foreign.file_name().unwrap());
         assert!(forged_kind(&via, foreign_disk), "directory symlink out");
-        let dotdot = root.join("w1/../../x");
+        let dotdot = user_dir(&root).join("w1/../../x");
         assert!(forged_kind(&dotdot, 1), "dot-dot");
         assert!(forged_kind(Path::new("relative"), 1), "relative");
-        let junk = root.join("junk");
+        let junk = user_dir(&root).join("junk");
         std::fs::write(&junk, vec![0u8; 200]).unwrap();
         assert!(forged_kind(&junk, 200), "not a spill file");
-        assert!(forged_kind(&root.join("w1"), 4096), "a directory");
+        assert!(
+            forged_kind(&user_dir(&root).join("w1"), 4096),
+            "a directory"
+        );
+        // a genuine file of ours under the root but outside our user directory
+        let (_beside, beside, beside_disk) = spill_file(&root.join("elsewhere"));
+        let moved = root.join("elsewhere-file");
+        std::fs::hard_link(&beside, &moved).unwrap();
+        assert!(forged_kind(&moved, beside_disk), "outside dask-shm-<uid>");
     }
 }

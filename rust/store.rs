@@ -823,9 +823,10 @@ mod tests {
     #[test]
     fn shared_files_split_their_disk_size_among_links() {
         let tmp = tempfile::tempdir().unwrap();
-        let a = FileStore::open(tmp.path().join("a")).unwrap();
-        let b = FileStore::open(tmp.path().join("b")).unwrap();
-        let out = tmp.path().join("out");
+        let base = crate::peer::user_dir(tmp.path());
+        let a = FileStore::open(base.join("a")).unwrap();
+        let b = FileStore::open(base.join("b")).unwrap();
+        let out = base.join("out");
         prepare_directory(&out).unwrap();
         let (name, disk) = stored(a.put("k", &[&[1u8; 1000]], 5000, None).unwrap());
         assert_eq!(a.total(), Sizes { memory: 5000, disk });

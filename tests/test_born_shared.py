@@ -21,7 +21,7 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 from dask_shm._core import born_stats, read_peer_file
-from dask_shm.shared import born, born_store, born_worker
+from dask_shm.shared import born, born_store, born_worker, paths
 from dask_shm.spill_store import frames_to_object, serialize_unsplit
 
 MiB = 1 << 20
@@ -39,7 +39,7 @@ def handler_name(a: np.ndarray | None = None) -> str:
 @pytest.fixture
 def arena(shm_dir: str) -> Iterator[str]:
     """The process arena serving >= 1 MiB from a fresh directory; stopped after."""
-    directory = os.path.join(shm_dir, "born")
+    directory = os.path.join(paths.user_root(shm_dir), "born")  # where workers put it
     os.mkdir(directory, 0o700)
     born.start(directory, threshold=MiB, budget=256 * MiB)
     try:
@@ -433,7 +433,7 @@ def test_adopt_into_respects_the_tier2_budget(arena: str, shm_dir: str, tmp_path
 
 def test_arena_budget_follows_what_tier2_leaves(shm_dir: str, tmp_path: Any) -> None:
     store = _store(shm_dir, tmp_path, budget=5 * MiB)
-    directory = os.path.join(shm_dir, "born")
+    directory = os.path.join(paths.user_root(shm_dir), "born")
     os.mkdir(directory, 0o700)
     born.start(directory, budget=5 * MiB)
     try:

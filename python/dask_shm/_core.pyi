@@ -89,10 +89,12 @@ class FileStore:
         stem: str,
         memory: int,
     ) -> tuple[str, int]:
-        """Validate a peer's spill file and hard-link it in as ``{stem}#{n}``,
-        accounted as shared. Returns ``(name, disk_bytes)``. Raises
-        ForgedHandleError for a handle that fails validation, OSError when
-        the link fails (EXDEV, EMLINK, EPERM, ...)."""
+        """Validate a peer's spill file (inside ``<root>/dask-shm-<uid>`` once
+        resolved, not a symlink, a regular file of ours, ``size`` bytes, a
+        valid header) and hard-link it in as ``{stem}#{n}``, accounted as
+        shared. Returns ``(name, disk_bytes)``. Raises ForgedHandleError for
+        a handle that fails validation, OSError when the link fails (EXDEV,
+        EMLINK, EPERM, ...)."""
     def link_out(self, name: str, directory: str | PathLike[str]) -> str:
         """Hard-link an entry's file into ``directory`` under a fresh name and
         return that path; the entry is accounted as shared from then on."""

@@ -40,6 +40,8 @@ from distributed.sizeof import safe_sizeof
 
 from dask_shm._core import ForgedHandleError, read_peer_file
 from dask_shm.shared import limits, paths
+from dask_shm.shared.guard import ensure_value
+from dask_shm.shared.payload import read_tracking_mapping
 from dask_shm.shared.store import Handle, SharedSpillStore
 from dask_shm.spill import SpillBuffer
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, file_stem, frames_to_object
@@ -199,6 +201,13 @@ class SharedSpillBuffer(SpillBuffer):
         private = self.store.private_weight(key, value)
         return safe_sizeof(value) if private is None else private
 
+    def __setitem__(self, key: Key, value: object) -> None:
+        """As :meth:`dask_shm.SpillBuffer.__setitem__`; additionally raises
+        :class:`~dask_shm.shared.guard.HandleLeakError` (nothing stored) when
+        ``value`` is a shared-memory handle instead of the value it names."""
+        ensure_value(key, value)
+        super().__setitem__(key, value)
+
     def _insert(self, key: Key, value: object) -> None:
         store = self.store
         arrival = self._claim(key, value)
@@ -292,7 +301,9 @@ class SharedSpillBuffer(SpillBuffer):
             except OSError as e:
                 return self._copy_in(handle, e)
             try:
-                frames = store.map_file(name)
+                value, backed = read_tracking_mapping(
+                    lambda: frames_to_object(store.map_file(name))
+                )
             except OSError as e:
                 # Out of mappings (vm.max_map_count) or similar: degrade to a copy.
                 try:
@@ -300,8 +311,16 @@ class SharedSpillBuffer(SpillBuffer):
                 finally:
                     store.drop_file(name)
                     self._count_fallback(handle, e)
+            except BaseException:
+                store.drop_file(name)
+                raise
+            if not backed:
+                # It came back as a private copy (its deserializer copied the
+                # frames): the link is of no use, and the value weighs in full.
+                store.drop_file(name)
+                self.shm_counters["received_private_copies"] += 1
+                return value
             try:
-                value = frames_to_object(frames)
                 finalizer = weakref.finalize(
                     value, _abandoned, weakref.ref(self), handle.stem, name
                 )

@@ -6,13 +6,18 @@ deserializing from a memory mapping makes the value point into the mapping, so
 those bytes cost the worker nothing private. Other frames are pickle streams of
 Python objects: they are unpickled into fresh private objects whatever the
 source, so sharing them gains nothing and costs a deserialization on every
-unspill. :func:`shareable_bytes` counts the first kind.
+unspill. :func:`shareable_bytes` counts the first kind. ``bytes`` and
+``bytearray`` are raw frames too, but their deserializer copies them: they are
+of the second kind. :func:`read_tracking_mapping` checks after the fact that a
+value read from a mapping really lives in it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def _frame_len(frame: Any) -> int:
@@ -38,11 +43,32 @@ def shareable_bytes(header: Mapping[str, Any], frames: Sequence[Any]) -> int:
         # frames[0] is the in-band pickle stream; the rest are out-of-band buffers.
         return sum(_frame_len(f) for f in frames[1:])
     if serializer == "dask":
+        if header.get("type") in _COPIED_TYPES:
+            return 0  # deserialized into a private copy of the frame
         sub = header.get("sub-header")
         if isinstance(sub, Mapping) and sub.get("pickle"):
             return 0  # e.g. object-dtype numpy: a pickle stream
         return sum(_frame_len(f) for f in frames)
     return 0
+
+
+#: Types whose dask deserializer copies the frames (``bytes(frame)``): they never
+#: live in a mapping, whatever the source.
+_COPIED_TYPES = frozenset({"bytes", "bytearray"})
+
+
+def read_tracking_mapping(read: Callable[[], T]) -> tuple[T, bool]:
+    """Run ``read`` (which maps a file and deserializes it, dropping its own
+    references to the frames) and tell whether the value it returns still
+    keeps a mapping alive, i.e. lives at least partly in the file; False
+    means it came back as a private copy and must be weighed in full.
+    Counts this process's live mappings: a mapping made or dropped by another
+    thread meanwhile can make the answer wrong, never the value."""
+    from dask_shm._core import live_mappings
+
+    before = live_mappings()
+    value = read()
+    return value, live_mappings() > before
 
 
 def worth_sharing(

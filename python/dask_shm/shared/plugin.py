@@ -93,7 +93,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         _warn_small_root(root, budget)
         paths.sweep_dead_processes(root)
         try:
-            paths.sweep_dead_processes(settings.disk_root)
+            paths.sweep_dead_processes(settings.disk_root, peers=False)
         except (OSError, paths.UnusableRoot) as e:
             logger.info("dask-shm: cannot sweep %s: %s", settings.disk_root, e)
         install_spill_buffer(worker, buffer)
@@ -133,6 +133,10 @@ class SharedMemoryPlugin(WorkerPlugin):
         buffer.close()
         shutil.rmtree(buffer.store.directory, ignore_errors=True)
         shutil.rmtree(buffer.store.tiers.disk.directory, ignore_errors=True)
+        # A clean close leaves nothing: the process directories go too once
+        # no other buffer of this process uses them (their locks are dropped).
+        paths.release_process_dir(buffer.store.root)
+        paths.release_process_dir(buffer.store.tiers.roots[1])
 
 
 _warned_small_root = False
@@ -192,7 +196,7 @@ class SharedMemoryNannyPlugin(NannyPlugin):
         paths.sweep_dead_processes(root)
         disk_root = SharedMemorySettings.from_config().disk_root
         try:
-            paths.sweep_dead_processes(disk_root)
+            paths.sweep_dead_processes(disk_root, peers=False)
         except (OSError, paths.UnusableRoot) as e:
             logger.info("dask-shm: cannot sweep %s: %s", disk_root, e)
 

@@ -8,7 +8,10 @@ message is written, swaps each value for a :class:`~dask_shm.shared.store.Handle
 to a fresh hard link of its file. The links are deleted once the handshake is
 over (the receiver has linked the file by then) or the transfer failed. Values
 that cannot be handed over (not worth sharing, link failure) are sent as bytes.
-Anyone else (clients, other hosts, workers without shared memory) gets bytes.
+Anyone else (clients, other hosts, workers without shared memory) gets bytes,
+and so does everyone over a comm that does not serialize messages
+(``inproc://``): there a handle would reach the receiver as an object, not as
+the value it names (see :mod:`dask_shm.shared.guard`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import context_meter
 from distributed.protocol.serialize import Serialize, to_serialize
 
+from dask_shm.shared.guard import comm_serializes
 from dask_shm.shared.registry import PeerRegistry
 
 if TYPE_CHECKING:
@@ -90,7 +94,11 @@ def install_get_data(worker: Worker, buffer: SharedSpillBuffer, registry: PeerRe
     original: GetData = worker.handlers["get_data"]
 
     async def get_data(comm: Any, keys: Any = (), who: str | None = None, **kwargs: Any) -> Any:
-        if worker.data is not buffer or not registry.accepts_handles(who):
+        if (
+            worker.data is not buffer
+            or not comm_serializes(comm)
+            or not registry.accepts_handles(who)
+        ):
             return await original(comm, keys=keys, who=who, **kwargs)
         proxy = _HandleSwappingComm(comm, buffer)
         try:

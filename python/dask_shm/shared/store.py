@@ -32,8 +32,8 @@ from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm._core import FileStore, live_mappings
-from dask_shm.shared import born, born_store
-from dask_shm.shared.payload import worth_sharing
+from dask_shm.shared import born, born_store, dirty, integrity
+from dask_shm.shared.payload import read_tracking_mapping, worth_sharing
 from dask_shm.shared.tiers import TieredFiles
 from dask_shm.spill_store import PickleError, SpillStore, file_stem, serialize_unsplit
 
@@ -120,6 +120,7 @@ class SharedSpillStore(SpillStore):
             outgoing=outgoing,
         )
         self.files = cast(Any, self.tiers)
+        self.tiers.on_moved = self._moved
         self.min_size = min_size
         self.min_shared_fraction = min_shared_fraction
         #: file name -> shareable bytes, for files worth sharing
@@ -132,6 +133,8 @@ class SharedSpillStore(SpillStore):
         )
         self._map_budget = map_budget()
         self.degraded_reads = 0
+        #: file name -> what it looked like when written or adopted
+        self.fingerprints: dict[str, integrity.Fingerprint] = {}
 
     # -- writing -------------------------------------------------------------
 
@@ -154,19 +157,35 @@ class SharedSpillStore(SpillStore):
                 context_meter.digest_metric("disk-write", 1, "count")
                 context_meter.digest_metric("disk-write", born.header_size(), "bytes")
         if name is not None:
+            # The born file is ours now: read-only, and its fingerprint is the
+            # one later reads are checked against.
+            self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
             self._private_cache.pop(key, None)
             self._register(key, name)
             return
         with context_meter.add_callback(self._record):
             frames, shareable = self._prepare(key, value)
             name = self._write(key, frames, safe_sizeof(value))
+        self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
         if shareable is not None:
             self.shareable[name] = shareable
         self._private_cache.pop(key, None)
         self._register(key, name)
 
+    def _moved(self, name: str, path: str) -> None:
+        """File ``name`` was copied to tier 3 (a new inode at ``path``): it is
+        read-only like every file of ours, and checked against its new
+        fingerprint from now on. Raises OSError (the old fingerprint is
+        dropped then: the file is not checked rather than wrongly refused)."""
+        try:
+            self.fingerprints[name] = integrity.seal(path)
+        except OSError:
+            self.fingerprints.pop(name, None)
+            raise
+
     def _forget_file(self, name: str) -> None:
         self.shareable.pop(name, None)
+        self.fingerprints.pop(name, None)
         super()._forget_file(name)
 
     # -- reading -------------------------------------------------------------
@@ -176,6 +195,7 @@ class SharedSpillStore(SpillStore):
         True when the value lives in a mapping of its file (the caller may then
         :meth:`retain` the file instead of deleting it)."""
         name = self.filenames[key]
+        integrity.verify(key, str(self.files.path(name)), self.fingerprints.get(name))
         if name not in self.shareable:
             cached = self._private_cache.get(key)
             if cached is not None:
@@ -190,7 +210,7 @@ class SharedSpillStore(SpillStore):
             self.degraded_reads += 1
             return self._read(key, name, mapped=False), False
         try:
-            return self._read(key, name, mapped=True), True
+            return read_tracking_mapping(lambda: self._read(key, name, mapped=True))
         except OSError as e:
             if e.errno not in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
                 raise
@@ -222,6 +242,10 @@ class SharedSpillStore(SpillStore):
         the store without writing anything and return True."""
         r = self.retained.get(key)
         if r is None or r.value_id != id(value):
+            return False
+        integrity.verify(key, str(self.files.path(r.name)), self.fingerprints.get(r.name))
+        if dirty.written_in_place(str(self.files.path(r.name))):
+            self.discard_retained(key)  # the caller writes the value as it is now
             return False
         del self.retained[key]
         self.files.set_memory(r.name, r.memory)
@@ -268,8 +292,11 @@ class SharedSpillStore(SpillStore):
         name = self.file_of(key)
         if name is None or name not in self.shareable:
             return None
+        integrity.verify(key, str(self.files.path(name)), self.fingerprints.get(name))
         memory, _ = self.files.sizes(name)
         r = self.retained.get(key)
+        if r is not None and dirty.written_in_place(str(self.files.path(name))):
+            return None  # written in place: the file is no longer the value
         if r is not None:
             memory = r.memory
         path = self.tiers.link_out(name)
@@ -282,6 +309,7 @@ class SharedSpillStore(SpillStore):
         file name. Raises ForgedHandleError or OSError."""
         name, _ = self.tiers.adopt(handle.path, handle.size, handle.stem, handle.memory)
         self.shareable[name] = handle.shareable
+        self.fingerprints[name] = integrity.fingerprint(str(self.files.path(name)))
         return name
 
     def map_file(self, name: str) -> list[memoryview]:

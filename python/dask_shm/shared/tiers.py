@@ -13,7 +13,8 @@ does not know there are two tiers. Its one concern is *where* a file lives:
   that no value maps (unpinned) move to tier 3.
 - a move copies the file in Rust with the GIL released
   (:func:`~dask_shm._core.move_entry`); the entry keeps its name here, so
-  callers never see it move.
+  callers never see it move (except the owner's :attr:`TieredFiles.on_moved`
+  hook: the copy is a new file, to be sealed and fingerprinted again).
 - tier-3 files are read and mapped (``MAP_PRIVATE``) like tier-2 ones, and
   linked out to same-host peers on their file system; their page cache is the
   one shared copy, which the kernel can reclaim under pressure.
@@ -32,7 +33,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from dask_shm._core import FileStore, TierBudget, move_entry
@@ -91,6 +92,9 @@ class TieredFiles:
         self.moved_bytes = 0
         self.direct_to_disk = 0
         self.tmpfs_full = False
+        #: called as ``on_moved(name, new path)`` after an entry moved to tier 3
+        #: (the file there is a new inode: its owner re-seals and re-fingerprints it)
+        self.on_moved: Callable[[str, str], None] | None = None
 
     # -- where things are --------------------------------------------------------
 
@@ -127,6 +131,11 @@ class TieredFiles:
         self._in_disk[name] = inner
         self.moves += 1
         self.moved_bytes += disk
+        if self.on_moved is not None:
+            try:
+                self.on_moved(name, str(self.disk.path(inner)))
+            except OSError as e:
+                logger.warning("dask-shm: could not seal %s after its move: %s", name, e)
         return True
 
     def enforce(self, incoming: int = 0) -> bool:
