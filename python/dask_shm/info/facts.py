@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 
 import dask.config
 
+from dask_shm._core import is_ram_backed
 from dask_shm.config import DEFAULTS, SWITCHES, SharedMemorySettings, enabled, unknown_keys
 from dask_shm.shared.limits import summary
-from dask_shm.shared.paths import TMPFS_TYPES, filesystem_of, user_dir_path, user_dir_problem
+from dask_shm.shared.paths import filesystem_of, user_dir_path, user_dir_problem
 from dask_shm.shared.plugin import PLUGIN_NAME
 from dask_shm.shared.store import max_map_count
 
@@ -67,7 +68,7 @@ class HostInfo:
     mount_point: str | None
     fs_type: str | None
     #: Whether ``fs_type`` is one shared-memory mode accepts
-    #: (:data:`dask_shm.shared.paths.TMPFS_TYPES`).
+    #: (``dask_shm._core.is_ram_backed``: tmpfs, ramfs, hugetlbfs).
     on_tmpfs: bool
     #: Size of and space available to this user on the root's filesystem.
     total_bytes: int | None
@@ -269,7 +270,7 @@ def gather_facts(
         root_is_dir=is_dir,
         mount_point=mount[0] if mount else None,
         fs_type=mount[1] if mount else None,
-        on_tmpfs=mount is not None and mount[1] in TMPFS_TYPES,
+        on_tmpfs=is_dir and is_ram_backed(root),
         total_bytes=total,
         free_bytes=free,
         writable=writable,

@@ -34,9 +34,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-logger = logging.getLogger(__name__)
+from dask_shm._core import is_ram_backed
 
-TMPFS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+logger = logging.getLogger(__name__)
 
 
 def _unescape_mount(text: str) -> str:
@@ -94,8 +94,10 @@ def check_root(root: str) -> None:
             f"shared-memory root {root} does not exist; create it or set "
             "shm.shared-memory.root to a tmpfs such as /dev/shm"
         )
-    fstype = filesystem_type(root)
-    if fstype not in TMPFS_TYPES:
+    # The one RAM-backed rule (statfs magic: tmpfs, ramfs, hugetlbfs), shared
+    # with the Rust store; /proc/mounts only names the file system in the message.
+    if not is_ram_backed(root):
+        fstype = filesystem_type(root)
         raise UnusableRoot(
             f"shared-memory root {root} is on {fstype or 'an unknown file system'}, not tmpfs; "
             "mount a tmpfs there or set shm.shared-memory.root to /dev/shm"
