@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
+import dask
 import pytest
 
 
@@ -17,3 +20,20 @@ def shm_dir() -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_base() -> Iterator[Path]:
+    """A fresh directory on /dev/shm as ``shm.local.shm-directory`` (the local
+    scheduler's); the test fails if anything is left in it afterwards."""
+    base = Path("/dev/shm") / f"dask-shm-test-{uuid.uuid4().hex[:12]}"
+    base.mkdir(mode=0o700)
+    try:
+        with dask.config.set({"shm.local.shm-directory": str(base)}):
+            yield base
+        leftovers = sorted(str(p.relative_to(base)) for p in base.rglob("*"))
+        assert leftovers == [], f"files left behind: {leftovers}"
+    finally:
+        for p in sorted(base.rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+        base.rmdir()

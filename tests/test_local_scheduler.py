@@ -16,7 +16,6 @@ import sys
 import textwrap
 import time
 import traceback
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -52,23 +51,6 @@ def no_warm_pool_left() -> Iterator[None]:
     """The warm pool tests here create is shut down when the module is done."""
     yield
     shutdown_pool()
-
-
-@pytest.fixture
-def shm_base() -> Iterator[Path]:
-    """A fresh directory on /dev/shm as ``shm.local.shm-directory``; the
-    test fails if anything is left in it afterwards."""
-    base = Path("/dev/shm") / f"dask-shm-test-{uuid.uuid4().hex[:12]}"
-    base.mkdir(mode=0o700)
-    try:
-        with dask.config.set({"shm.local.shm-directory": str(base)}):
-            yield base
-        leftovers = sorted(str(p.relative_to(base)) for p in base.rglob("*"))
-        assert leftovers == [], f"files left behind: {leftovers}"
-    finally:
-        for p in sorted(base.rglob("*"), reverse=True):
-            p.rmdir() if p.is_dir() else p.unlink()
-        base.rmdir()
 
 
 # --- task functions (module level: the pool imports them by reference) ------
