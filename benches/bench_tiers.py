@@ -2,10 +2,9 @@
 
 Run: ``pytest benches/bench_tiers.py`` (as root for the cgroup scenario).
 
-- ``test_cgroup_scenario``: issue 11's deployment case at a size that fits a
-  shared machine: a LocalCluster (2 worker processes x 1 thread x 350 MiB)
-  inside a 1.25 GiB memory cgroup (v1 or v2, created here) persists two
-  arrays of 1.5 GiB in total and reduces them; stock spills to disk, ours
+- ``test_cgroup_scenario``: issue 11's deployment case: a LocalCluster (2
+  worker processes x 1 thread x 1 GiB) inside a 3 GiB memory cgroup (v1 or
+  v2, created here) persists two arrays of 5 GiB in total and reduces them; stock spills to disk, ours
   runs shared-memory mode by config alone. Timed: the whole job (cluster
   start included, same for both); ``extra_info``: the computation's wall
   time, the cgroup's peak usage as the kernel reports it (page cache
@@ -53,18 +52,18 @@ RESULTS: dict[str, float] = {}
 @pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 @pytest.mark.parametrize("impl", ["stock", "ours"])
 def test_cgroup_scenario(benchmark: Any, impl: str, tmp_path: Any) -> None:
-    benchmark.group = "cgroup 1.25 GiB: persist 1.5 GiB on 2 x 350 MiB workers, reduce"
+    benchmark.group = "cgroup 3 GiB: persist 5 GiB on 2 x 1 GiB workers, reduce (issue 11)"
     options = {
         "mode": impl,
-        "gib": 1.5,
-        "memory_limit": "350MiB",
+        "gib": 5,
+        "memory_limit": "1GiB",
         "disk_root": str(tmp_path / "disk"),
         "local_directory": str(tmp_path / "local"),
     }
     runs: list[dict] = []
 
     def job() -> None:
-        with memory_cgroup(int(1.25 * GiB)) as cg:
+        with memory_cgroup(3 * GiB) as cg:
             runs.append(run_workload(options, cg, timeout=900))
 
     benchmark.pedantic(job, rounds=1, iterations=1)

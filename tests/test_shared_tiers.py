@@ -255,17 +255,18 @@ def test_cgroup_reports_its_limit_to_a_process_inside():
 @needs_cgroup
 @pytest.mark.timeout(1200)
 def test_out_of_core_inside_a_memory_cgroup_matches_stock_without_kills(tmp_path):
-    """1.5 GiB persisted by 2 workers x 350 MiB in a 1.25 GiB cgroup: stock
-    spills to disk; shared mode must not be killed (tmpfs pages are charged)."""
+    """Issue 11's scenario: 2 workers x 1 GiB in a 3 GiB cgroup persist 5 GiB
+    (two 2.5 GiB arrays) and reduce them: stock spills to disk; shared mode
+    must not be killed (tmpfs pages are charged to the cgroup)."""
     options = {
-        "gib": 1.5,
-        "memory_limit": "350MiB",
+        "gib": 5,
+        "memory_limit": "1GiB",
         "disk_root": str(tmp_path / "disk"),
         "local_directory": str(tmp_path / "local"),
     }
     runs = {}
     for mode in ("stock", "ours"):
-        with memory_cgroup(int(1.25 * GiB)) as cg:
+        with memory_cgroup(3 * GiB) as cg:
             runs[mode] = run_workload({**options, "mode": mode}, cg, timeout=900)
     ours, stock = runs["ours"], runs["stock"]
     assert ours["returncode"] == 0, ours["stderr"][-3000:]
