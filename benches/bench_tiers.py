@@ -4,8 +4,8 @@ Run: ``pytest benches/bench_tiers.py`` (as root for the cgroup scenario).
 
 - ``test_cgroup_scenario``: issue 11's deployment case: a LocalCluster (2
   worker processes x 1 thread x 1 GiB) inside a 3 GiB memory cgroup (v1 or
-  v2, created here) persists two arrays of 5 GiB in total and reduces them; stock spills to disk, ours
-  runs shared-memory mode by config alone. Timed: the whole job (cluster
+  v2, created here) persists two arrays of 5 GiB in total and reduces them;
+  stock spills to disk, ours runs shared-memory mode by config alone. Timed: the whole job (cluster
   start included, same for both); ``extra_info``: the computation's wall
   time, the cgroup's peak usage as the kernel reports it (page cache
   included, so both reach the limit), the peak of anonymous + tmpfs bytes
