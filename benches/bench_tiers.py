@@ -5,12 +5,12 @@ Run: ``pytest benches/bench_tiers.py`` (as root for the cgroup scenario).
 - ``test_cgroup_scenario``: issue 11's deployment case: a LocalCluster (2
   worker processes x 1 thread x 1 GiB) inside a 3 GiB memory cgroup (v1 or
   v2, created here) persists two arrays of 5 GiB in total and reduces them;
-  stock spills to disk, ours runs shared-memory mode by config alone. Timed: the whole job (cluster
-  start included, same for both); ``extra_info``: the computation's wall
-  time, the cgroup's peak usage as the kernel reports it (page cache
-  included, so both reach the limit), the peak of anonymous + tmpfs bytes
-  sampled every 50 ms (what cannot be reclaimed without swap), OOM kills
-  and workers replaced.
+  stock spills to disk, ours runs shared-memory mode by config alone.
+  Timed: the whole job (cluster start included, same for both).
+  ``extra_info``: the computation's wall time, the cgroup's peak usage as
+  the kernel reports it (page cache included, so both reach the limit), the
+  peak of anonymous + tmpfs bytes sampled every 50 ms (what cannot be
+  reclaimed without swap), OOM kills and workers replaced.
 - ``test_spill`` / ``test_unspill``: bandwidth of writing N arrays of 16
   MiB with ``target=0`` (everything spills) and of reading them back
   (touching every byte), stock's disk spill vs our tier 3 (tmpfs budget 0:
