@@ -28,6 +28,18 @@ pub fn open_nofollow(path: &Path) -> io::Result<File> {
         .open(path)
 }
 
+/// Create a new file for writing that nobody else can read (mode 0600),
+/// failing if anything, a symlink included, already has that name
+/// (`O_EXCL|O_NOFOLLOW`); close-on-exec.
+pub fn create_private(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
 /// Create `dir` (mode 0700, parents as needed) or accept an existing
 /// directory that is not a symlink and belongs to this user.
 ///

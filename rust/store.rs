@@ -27,9 +27,9 @@
 //! Nothing here touches Python: `py_store` wraps it and releases the GIL
 //! around every call that does I/O.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, IoSlice, Read};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -37,7 +37,9 @@ use std::sync::{Mutex, MutexGuard};
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::format::{self, FormatError, Layout};
-use crate::fs::{is_ram_backed, open_nofollow, prepare_directory, write_all_vectored};
+use crate::fs::{
+    create_private, is_ram_backed, open_nofollow, prepare_directory, write_all_vectored,
+};
 use crate::ledger::{Ledger, Sizes};
 use crate::peer::PeerFile;
 use crate::recycle::{open_recycled, overwrite, Pool, MIN_RECYCLE};
@@ -264,12 +266,7 @@ impl FileStore {
         check_name(stem)?;
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let tmp = self.dir.join(format!(".tmp-{}-{n}", self.tag));
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)?;
+        let mut file = create_private(&tmp)?;
         if let Err(e) = crate::tier::copy_file(src, &mut file, len) {
             drop(file);
             let _ = fs::remove_file(&tmp);
@@ -326,12 +323,7 @@ impl FileStore {
                 }
             }
         }
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)?;
+        let mut file = create_private(&tmp)?;
         match write_all_vectored(&mut file, &mut slices) {
             Ok(()) => {
                 drop(file);
@@ -644,6 +636,7 @@ impl FileStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::OpenOptions;
     use std::os::unix::fs::PermissionsExt;
     use std::sync::Arc;
 
