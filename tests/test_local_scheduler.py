@@ -467,6 +467,21 @@ def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path, who
     assert alive == []
 
 
+def _unlink_orphaned_semaphores(candidates: set[Path]) -> None:
+    """Remove the named semaphores that multiprocessing made for a process
+    group this test SIGKILLed (its resource tracker died with it), unless a
+    live process still maps them."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.rsplit(" ", 1)[-1].strip() for line in maps.open())
+        except OSError:
+            continue
+    for sem in candidates:
+        if str(sem) not in mapped:
+            sem.unlink(missing_ok=True)
+
+
 def test_directories_of_killed_computations_are_removed_by_the_next(
     pool: ProcessPoolExecutor, shm_base: Path, tmp_path: Path
 ) -> None:
@@ -494,6 +509,7 @@ def test_directories_of_killed_computations_are_removed_by_the_next(
     )
     path = tmp_path / "kill_me.py"
     path.write_text(script)
+    semaphores_before = set(Path("/dev/shm").glob("sem.mp-*"))
     proc = subprocess.Popen([sys.executable, str(path)], start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -510,6 +526,7 @@ def test_directories_of_killed_computations_are_removed_by_the_next(
         except ProcessLookupError:
             pass
     psutil.wait_procs(workers, timeout=10)
+    _unlink_orphaned_semaphores(set(Path("/dev/shm").glob("sem.mp-*")) - semaphores_before)
     (stale,) = shm_base.iterdir()
     assert any(p.is_file() for p in stale.iterdir())
 
