@@ -18,6 +18,7 @@ from typing import Any
 import dask
 import numpy as np
 import pytest
+from clusters import process_cluster
 from distributed.utils_test import gen_cluster
 
 from dask_shm._core import born_stats, read_peer_file
@@ -474,21 +475,10 @@ def _made_born(nbytes: int, fill: float) -> np.ndarray:
 
 
 def test_cluster_hands_a_born_array_over_without_copying_it() -> None:
-    from distributed import Client, LocalCluster
 
     from dask_shm import SharedMemoryPlugin
 
-    with (
-        dask.config.set({"distributed.scheduler.active-memory-manager.start": False}),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit="2GiB",
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(2, "2GiB") as client:
         client.register_plugin(SharedMemoryPlugin())
         client.register_plugin(born_worker.BornSharedPlugin(born_worker.BornSettings(mode=True)))
         a, b = sorted(client.scheduler_info()["workers"])

@@ -10,7 +10,8 @@ import logging
 import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, Scheduler, Worker, span
+from clusters import process_cluster
+from distributed import Client, Scheduler, Worker, span
 from distributed.scheduler import DEFAULT_EXTENSIONS as SCHEDULER_EXTENSIONS
 from distributed.utils_test import gen_cluster
 from distributed.worker import DEFAULT_EXTENSIONS as WORKER_EXTENSIONS
@@ -167,18 +168,7 @@ async def scrape(dask_worker: Worker) -> str:
 
 @pytest.fixture(scope="module")
 def shm_client():
-    with (
-        dask.config.set({"distributed.scheduler.active-memory-manager.start": False}),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit="2GiB",
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(2, "2GiB", silence_logs=logging.ERROR) as client:
         client.register_plugin(SharedMemoryPlugin())
         yield client
 

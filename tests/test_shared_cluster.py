@@ -9,6 +9,7 @@ import time
 import dask
 import numpy as np
 import pytest
+from clusters import process_cluster
 from distributed import Client, LocalCluster, Worker, wait
 
 from dask_shm import SharedMemoryNannyPlugin, SharedMemoryPlugin
@@ -43,17 +44,7 @@ def process_dir_of(dask_worker: Worker) -> str:
 @pytest.fixture(scope="module")
 def shm_cluster():
     # No Active Memory Manager: it would drop the replicas these tests count.
-    with (
-        dask.config.set({"distributed.scheduler.active-memory-manager.start": False}),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit="6GiB",
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(2, "6GiB") as client:
         client.register_plugin(SharedMemoryPlugin())
         client.register_plugin(SharedMemoryNannyPlugin())
         yield client

@@ -15,6 +15,7 @@ import time
 import dask
 import numpy as np
 import pytest
+from clusters import process_cluster
 from distributed import Client, LocalCluster, wait
 
 from dask_shm import SharedMemoryPlugin
@@ -516,18 +517,7 @@ def test_a_value_written_in_place_survives_eviction_and_transfer(root) -> None:
     """As in stock: a task that writes to its input in place changes the
     value held by the worker; evicting it (back to its file) and sending it to
     another worker keep the change instead of reverting to the file."""
-    config = {"distributed.scheduler.active-memory-manager.start": False}
-    with (
-        dask.config.set(config),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            memory_limit="1 GiB",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(2, "1 GiB") as client:
         client.register_plugin(SharedMemoryPlugin(root=root))
         a, b = sorted(client.scheduler_info()["workers"])
         x = client.submit(np.ones, MB, key="x", workers=[a])

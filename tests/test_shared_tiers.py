@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 
 from dask_shm.shared import (
     SharedMemoryNannyPlugin,
@@ -27,6 +27,7 @@ from dask_shm.shared import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from clusters import process_cluster
 from memory_cgroup import memory_cgroup, run_workload, unavailable_reason  # noqa: E402
 
 MiB = 2**20
@@ -331,18 +332,7 @@ def test_cancelled_fetches_leave_no_incoming_file_pinned():
     """Issue 12 item 3: consumers cancelled while their inputs are being
     fetched; once that settles the receiver holds no file, and after close
     its process directory holds nothing."""
-    config = {"distributed.scheduler.active-memory-manager.start": False}
-    with (
-        dask.config.set(config),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit="2GiB",
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(2, "2GiB") as client:
         client.register_plugin(SharedMemoryPlugin())
         client.register_plugin(SharedMemoryNannyPlugin())
         a, b = sorted(client.scheduler_info()["workers"])

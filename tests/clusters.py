@@ -1,0 +1,35 @@
+"""The real cluster most cluster tests run on, in one place."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+from distributed import Client, LocalCluster
+
+NO_AMM = {"distributed.scheduler.active-memory-manager.start": False}
+
+
+@contextlib.contextmanager
+def process_cluster(
+    n_workers: int, memory_limit: str, config: dict | None = None, **cluster_kwargs: Any
+) -> Iterator[Client]:
+    """A client of a LocalCluster of ``n_workers`` worker processes (one
+    thread each, no dashboard) with ``memory_limit`` each, under ``config``
+    with the Active Memory Manager off (it would drop the replicas tests
+    count); extra keyword arguments go to LocalCluster."""
+    with (
+        dask.config.set({**NO_AMM, **(config or {})}),
+        LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit=memory_limit,
+            dashboard_address=":0",
+            **cluster_kwargs,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
