@@ -114,6 +114,32 @@ def test_mapped_values_stay_put_and_move_once_released(shm_dir, disk_root):
     buf.close()
 
 
+def test_tier2_bytes_count_against_the_in_memory_target(shm_dir, disk_root):
+    """tmpfs files are RAM: values in memory plus tier-2 bytes stay below
+    target, so a full tier 2 does not keep the worker above its target."""
+    target = 48 * MiB
+    buf = make_buffer(shm_dir, disk_root, budget=20 * MiB, target=target)
+    values = {f"k{i}": np.full(MiB, i, dtype="f8") for i in range(12)}  # 8 MiB each
+    for k, v in values.items():
+        buf[k] = v
+        assert buf.fast.total_weight + buf.tier2_bytes() <= target
+    assert buf.tier2_bytes() > 8 * MiB, "tier 2 was used"
+    assert buf.fast.total_weight >= target - buf.tier2_bytes() - 8 * MiB, "no needless eviction"
+    for k, v in values.items():
+        np.testing.assert_array_equal(buf[k], v)
+    buf.close()
+
+
+def test_a_tier2_budget_above_target_leaves_half_the_target_to_memory(shm_dir, disk_root):
+    target = 32 * MiB
+    buf = make_buffer(shm_dir, disk_root, budget=256 * MiB, target=target)
+    for i in range(12):
+        buf[f"k{i}"] = np.full(MiB, i, dtype="f8")
+    assert buf.tier2_bytes() > target
+    assert target / 2 - 8 * MiB <= buf.fast.total_weight <= target / 2
+    buf.close()
+
+
 def test_enospc_sends_spills_to_disk_and_nothing_stays_in_memory(disk_root, caplog):
     with small_tmpfs("16m") as root:
         buf = make_buffer(root, disk_root, budget=GiB, target=0)  # budget > the tmpfs

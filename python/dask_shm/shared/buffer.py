@@ -3,7 +3,8 @@
 Layers, one concern each (zict style):
 
 - :class:`SharedSpillBuffer` (this module): which values are in memory
-  (``fast``, private bytes against ``target``) and which are spilled; files
+  (``fast``, private bytes plus tier-2 bytes against ``target``, see
+  :mod:`~dask_shm.shared.charged_lru`) and which are spilled; files
   received from peers (*arrivals*) and the values they back;
 - :class:`~dask_shm.shared.store.SharedSpillStore`: serialized values in
   files, retained while a mapped value is in memory, exported/adopted by hard link;
@@ -40,6 +41,7 @@ from distributed.sizeof import safe_sizeof
 
 from dask_shm._core import ForgedHandleError, read_peer_file
 from dask_shm.shared import limits, paths
+from dask_shm.shared.charged_lru import TmpfsChargedLRU
 from dask_shm.shared.guard import ensure_value
 from dask_shm.shared.payload import read_tracking_mapping
 from dask_shm.shared.store import Handle, SharedSpillStore
@@ -77,6 +79,8 @@ class SharedSpillBuffer(SpillBuffer):
       file is kept while it is in memory, so evicting it writes nothing;
     - spilled files go to the tmpfs (tier 2) within the store's budget, the
       rest to a real file system (tier 3), see :mod:`dask_shm.shared.tiers`;
+      tier-2 bytes are RAM and count against ``target`` (up to half of it)
+      before the values in memory do;
     - :meth:`export` hands a key's file to a same-host peer; :meth:`receive`
       takes a peer's file in (one validated hard link, owned by this buffer
       from then on: released when the value is dropped unstored, or on close).
@@ -97,6 +101,15 @@ class SharedSpillBuffer(SpillBuffer):
         # The shared store keeps its own weak cache of private values;
         # mapped values need none (the kernel shares their pages).
         zict.Buffer.__init__(self, fast={}, slow=store, n=target, weight=self._weight)
+        # The same LRU zict builds, charged for this worker's tmpfs files.
+        self.fast = TmpfsChargedLRU(
+            target,
+            {},
+            tier2_bytes=store.tiers.tier2_bytes,
+            weight=self._weight,
+            on_evict=[self.fast_to_slow],
+            on_cancel_evict=[self._cancel_evict],
+        )
 
     # -- construction ------------------------------------------------------------
 
