@@ -130,6 +130,17 @@ impl FileStore {
         })
     }
 
+    /// Take the file `name` of this directory (an entry of this store or a
+    /// file another process wrote here) into the reuse pool, or delete it if
+    /// the pool cannot keep it; True if pooled. The caller guarantees nobody
+    /// maps or reads it any more. Raises OSError for an invalid name or a
+    /// failed deletion.
+    fn give_for_reuse(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
+        let store = Arc::clone(&self.inner);
+        py.detach(move || store.give_for_reuse(name))
+            .map_err(|e| io_error_at(e, self.inner.directory()))
+    }
+
     /// Read a file back as one memoryview per frame, copied into a private
     /// bytearray (nothing stays open afterwards).
     fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyList>> {

@@ -595,6 +595,26 @@ impl FileStore {
         Ok(Some(sizes))
     }
 
+    /// Take the file `name` of this directory (an entry of this store, or a
+    /// file another process wrote into the same directory) into the reuse
+    /// pool, or delete it if the pool cannot keep it (no recycling, full, too
+    /// small, not our private one-link file). Returns whether it was pooled;
+    /// a missing file is not an error. The caller guarantees that nobody maps
+    /// or reads the file any more: it will be overwritten in place.
+    pub fn give_for_reuse(&self, name: &str) -> io::Result<bool> {
+        check_name(name)?;
+        self.ledger().remove_entry(name);
+        let path = self.path_of(name);
+        if self.pool.is_some() && self.recycle(&path) {
+            return Ok(true);
+        }
+        match fs::remove_file(path) {
+            Ok(()) => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Accounted sizes of one entry (disk split among hard links if shared).
     pub fn sizes(&self, name: &str) -> Option<Sizes> {
         let (sizes, shared) = {
@@ -993,6 +1013,33 @@ mod tests {
             assert_eq!(pool.len(), 2);
             assert_eq!(store.total(), Sizes::default());
             assert!(store.names().is_empty());
+        }
+    }
+
+    #[test]
+    fn files_given_for_reuse_are_overwritten_by_the_next_put() {
+        for dir in recycle_dirs() {
+            let writer = FileStore::open(dir.path()).unwrap();
+            let reuser = FileStore::open_recycling(dir.path(), 8 << 20).unwrap();
+            let (theirs, _) = put_frames(&writer, "a", &pattern(1, 600 * KIB));
+            let (mine, _) = put_frames(&reuser, "b", &pattern(2, 600 * KIB));
+            let (small, _) = put_frames(&writer, "c", &pattern(3, 10 * KIB));
+            assert!(reuser.give_for_reuse(&theirs).unwrap());
+            assert!(reuser.give_for_reuse(&mine).unwrap());
+            assert!(
+                !reuser.give_for_reuse(&small).unwrap(),
+                "too small: deleted"
+            );
+            assert!(!reuser.give_for_reuse("gone#0").unwrap());
+            assert!(reuser.give_for_reuse("../x").is_err());
+            assert!(reuser.names().is_empty(), "no longer an entry");
+            assert_eq!(reuser.pooled().0, 2);
+            let frames = pattern(4, 590 * KIB);
+            let (name, _) = put_frames(&reuser, "d", &frames);
+            assert_eq!(reuser.pooled().0, 1, "a pooled file was overwritten");
+            assert_eq!(read_back(&reuser, &name), frames);
+            let (entries, _, _) = listing(&reuser);
+            assert_eq!(entries, vec![name]);
         }
     }
 

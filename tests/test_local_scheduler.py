@@ -276,18 +276,19 @@ def test_threshold_decides_what_goes_through_files(
     assert path is not None
 
 
-def test_files_are_released_during_the_computation(
-    pool: ProcessPoolExecutor, shm_base: Path
-) -> None:
-    """A file lives as long as its data is needed, not until the end: along a
-    chain of 30 big intermediates, only a few files ever exist at once."""
+def _run_chain(pool: ProcessPoolExecutor, shm_base: Path) -> tuple[list[int], set[int]]:
+    """A chain of 30 big intermediates, each written by a pool process: the
+    number of files after each task, and every file (inode) ever seen."""
     dsk: dict[object, object] = {("c", 0): (big_array, 0)}
     for i in range(1, 30):
         dsk[("c", i)] = (increment_in_place, ("c", i - 1))
     seen: list[int] = []
+    inodes: set[int] = set()
 
     def count_files(key: object, result: object, dsk: object, state: object, wid: object) -> None:
-        seen.append(sum(1 for p in shm_base.rglob("*") if p.is_file()))
+        files = [p for p in shm_base.rglob("*") if p.is_file()]
+        seen.append(len(files))
+        inodes.update(p.stat().st_ino for p in files)
 
     with Callback(posttask=count_files):
         result = get(dsk, ("c", 29), pool=pool, optimize_graph=False)
@@ -295,7 +296,61 @@ def test_files_are_released_during_the_computation(
     for _ in range(29):
         expected += 1
     np.testing.assert_array_equal(result, expected)
-    assert len(seen) == 30 and max(seen) <= 3, seen
+    assert len(seen) == 30
+    return seen, inodes
+
+
+def test_files_are_released_during_the_computation(
+    pool: ProcessPoolExecutor, shm_base: Path
+) -> None:
+    """A file lives as long as its data is needed, not until the end: along a
+    chain of 30 big intermediates, only a few files ever exist at once."""
+    with dask.config.set({"shm.local.recycle-bytes": 0}):
+        seen, inodes = _run_chain(pool, shm_base)
+    assert max(seen) <= 3, seen
+    assert len(inodes) >= 30, "without reuse, every result is a new file"
+
+
+def test_freed_files_are_overwritten_by_later_results(
+    pool: ProcessPoolExecutor, shm_base: Path
+) -> None:
+    """With reuse (the default), the pool processes overwrite files of
+    intermediates nobody needs any more instead of creating new ones, and the
+    files kept for that stay within shm.local.recycle-bytes."""
+    with dask.config.set({"shm.local.recycle-bytes": "4 MB"}):  # two 1.6 MB results
+        seen, inodes = _run_chain(pool, shm_base)
+    assert len(inodes) <= 12, f"{len(inodes)} files for 30 results"
+    # live results, plus per process at most what 4 MB holds, plus the inputs
+    # each process still maps
+    assert max(seen) <= 3 + 3 * 2 + 2, seen
+
+
+#: Arrays a task kept beyond its end (a cache in user code), per pool process.
+_KEPT: list[np.ndarray] = []
+
+
+def keep_forever(x: np.ndarray) -> float:
+    _KEPT.append(x)
+    return float(x.sum())
+
+
+def sums_of_kept(*_: object) -> list[float]:
+    return [float(x.sum()) for x in _KEPT]
+
+
+def test_a_file_still_mapped_by_a_task_s_leftovers_is_never_overwritten(
+    shm_base: Path,
+) -> None:
+    """Reuse never overwrites a file that a pool process still maps, even when
+    the parent is done with it: arrays kept by user code keep their values."""
+    n = 12
+    dsk: dict[object, object] = {("x", i): (big_array, 100 + i) for i in range(n)}
+    dsk.update({("s", i): (keep_forever, ("x", i)) for i in range(n)})
+    # fresh results after every input has been released, reusing their files
+    dsk.update({("y", i): (increment_in_place, (big_array, 200 + i)) for i in range(n)})
+    dsk["check"] = (sums_of_kept, [("s", i) for i in range(n)], [("y", i) for i in range(n)])
+    sums = get(dsk, "check", num_workers=1, optimize_graph=False, warm=False)
+    assert sorted(sums) == sorted(float(big_array(100 + i).sum()) for i in range(n))
 
 
 def limit_file_size() -> None:
@@ -354,6 +409,9 @@ def test_bad_arguments_and_config_are_named(shm_base: Path) -> None:
             get(dsk, "x")
     with dask.config.set({"shm.local.memory-target": 1.5}):
         with pytest.raises(ValueError, match=r"shm\.local\.memory-target .*fraction"):
+            get(dsk, "x")
+    with dask.config.set({"shm.local.recycle-bytes": "-1 MiB"}):
+        with pytest.raises(ValueError, match=r"shm\.local\.recycle-bytes .*'-1 MiB'"):
             get(dsk, "x")
 
 

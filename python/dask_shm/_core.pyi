@@ -74,6 +74,11 @@ class FileStore:
     def read_mapped(self, name: str) -> list[memoryview]:
         """Frames of a file as writable views of a private mapping; frames of
         at least FRAME_ALIGN_MIN_LEN bytes are FRAME_ALIGNMENT-aligned."""
+    def give_for_reuse(self, name: str) -> bool:
+        """Take the file ``name`` of this directory (an entry of this store
+        or a file another process wrote here) into the reuse pool, or delete
+        it if the pool cannot keep it; True if pooled. The caller guarantees
+        nobody maps or reads it any more. OSError for an invalid name."""
     def delete(self, name: str) -> tuple[int, int] | None:
         """Forget an entry and delete (or, recycling, pool) its file;
         ``(memory, disk)`` it had, or None."""

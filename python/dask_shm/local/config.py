@@ -19,6 +19,12 @@ Keys (all under ``shm.local``, settable with ``dask.config.set``):
 ``spill-directory``
     Where that cache spills. Default None: dask's ``temporary-directory``, else
     the system temporary directory.
+``recycle-bytes``
+    Files of intermediates no longer needed are kept, up to this many bytes,
+    and given to pool processes to overwrite with their next results instead
+    of being deleted (see :mod:`dask_shm.local.transport`): on a tmpfs,
+    allocating and freeing pages costs several times the copy itself. Bytes
+    (int or ``"256 MiB"``); 0 deletes them at once. Default ``"256 MiB"``.
 ``warm-pool``
     True (default): keep the process pool :func:`dask_shm.local.get` creates
     between computations (see :mod:`dask_shm.local.pool`); False: a pool per
@@ -101,6 +107,25 @@ def shm_threshold(value: object = None) -> int:
     if configured is None:
         return _DEFAULT_THRESHOLD
     return parse_size(configured, f"{PREFIX}.shm-threshold")
+
+
+_DEFAULT_RECYCLE = 256 * 2**20
+
+
+def recycle_bytes(value: object = None) -> int:
+    """Bytes of freed files kept for reuse, from the argument, else
+    ``shm.local.recycle-bytes``, else 256 MiB; 0 turns reuse off.
+
+    Raises ValueError naming the key when it is not a byte count >= 0.
+    """
+    key = "recycle_bytes" if value is not None else f"{PREFIX}.recycle-bytes"
+    if value is None:
+        value = _get("recycle-bytes")
+        if value is None:
+            return _DEFAULT_RECYCLE
+    if value == 0 or value == "0":
+        return 0
+    return parse_size(value, key)
 
 
 def memory_target(value: object = None) -> int | None:

@@ -93,6 +93,10 @@ def get(
     - A result that already lives in a file (every intermediate in the parent,
       an unmodified input or view of one in a pool process) is passed on as a
       reference to that file, never written again.
+    - Files of intermediates nobody needs any more are kept (up to
+      ``shm.local.recycle-bytes``, 256 MiB) and overwritten by later results
+      instead of being deleted and allocated anew; a file is never
+      overwritten while the parent or a pool process still maps it.
     - The pool ``get`` creates is kept warm for the next computation (unless
       ``warm=False`` or ``shm.local.warm-pool`` is false) and reused only if
       healthy and started for the same ``num_workers``, context, initializer
@@ -154,6 +158,7 @@ def get(
         if kwargs.pop(name, None) is not None:
             raise TypeError(f"dask_shm.get does its own serialization; {name} is not supported")
     threshold = config.shm_threshold(shm_threshold)
+    config.recycle_bytes()  # a bad value is reported before anything starts
     target = config.memory_target(memory_target) if cache is None else None
     chunksize = chunksize or dask_config.get("chunksize", 1)
     pool = pool or dask_config.get("pool", None)
@@ -176,7 +181,7 @@ def get(
             cache = stack.enter_context(SpillCache(target))
         shm = ShmDirectory()
         stack.callback(shm.close)
-        transport = Transport(shm.path, threshold)
+        transport = Transport(shm.path, threshold, recycle_bytes=config.recycle_bytes())
         stack.callback(transport.close)
 
         executor: Executor
