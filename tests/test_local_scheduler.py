@@ -17,7 +17,7 @@ import textwrap
 import time
 import traceback
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -276,7 +276,7 @@ def test_threshold_decides_what_goes_through_files(
     assert path is not None
 
 
-def _run_chain(pool: ProcessPoolExecutor, shm_base: Path) -> tuple[list[int], set[int]]:
+def _run_chain(pool: Executor, shm_base: Path) -> tuple[list[int], set[int]]:
     """A chain of 30 big intermediates, each written by a pool process: the
     number of files after each task, and every file (inode) ever seen."""
     dsk: dict[object, object] = {("c", 0): (big_array, 0)}
@@ -323,6 +323,14 @@ def test_freed_files_are_overwritten_by_later_results(
     # live results, plus per process at most what 4 MB holds, plus the inputs
     # each process still maps
     assert max(seen) <= 3 + 3 * 2 + 2, seen
+
+
+def test_a_thread_pool_in_the_parent_keeps_results_intact(shm_base: Path) -> None:
+    """With a user's thread pool, tasks run in the parent itself: files handed
+    out for reuse come back to the parent's list, and results stay right."""
+    with ThreadPoolExecutor(2) as threads:
+        seen, _ = _run_chain(threads, shm_base)
+    assert max(seen) <= 3 + 2, seen
 
 
 #: Arrays a task kept beyond its end (a cache in user code), per pool process.
