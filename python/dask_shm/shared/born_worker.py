@@ -25,7 +25,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_shm import _core
 from dask_shm.shared import born, paths
-from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, stats
+from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, own_bytes
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -189,7 +189,8 @@ class BornSharedPlugin(WorkerPlugin):
     directory in this process's directory on the root (removed on teardown;
     one left by a killed worker goes with its process directory). Their
     bytes count as the worker's own memory (the monitor ignores shared pages,
-    so they are added back) until a store adopts them.
+    so they are added back) until a store adopts them, and so do freed blocks
+    the arena keeps for reuse (``cached_bytes``).
 
     Raises ValueError at setup for an invalid config value.
     """
@@ -239,9 +240,19 @@ class BornSharedPlugin(WorkerPlugin):
         self._monitor = worker.monitor.get_process_memory
 
         def process_memory() -> int:
-            return self._monitor() + stats()["owned_bytes"]
+            return self._monitor() + own_bytes()
 
         worker.monitor.get_process_memory = process_memory  # type: ignore[method-assign]
+        self._buffer = buffer
+        evict_key = buffer.evict
+
+        def evict() -> int:
+            # Under memory pressure the cached blocks go first: releasing
+            # them writes nothing, and spilling a key would not free them.
+            released = born.release_cache()
+            return released if released else evict_key()
+
+        buffer.evict = evict  # type: ignore[method-assign]
         logger.info(
             "dask-shm: arrays of %s bytes or more born shared on %s (%s)",
             settings.threshold,
@@ -255,4 +266,5 @@ class BornSharedPlugin(WorkerPlugin):
             return
         uninstall_from_worker(worker)
         worker.monitor.get_process_memory = self._monitor  # type: ignore[method-assign]
+        self._buffer.__dict__.pop("evict", None)  # the class's method shows again
         shutil.rmtree(directory, ignore_errors=True)
