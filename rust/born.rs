@@ -35,6 +35,12 @@
 //!
 //! Nothing here touches Python: the numpy allocator callbacks
 //! (`born_py.rs`) call these methods without the GIL.
+//!
+//! A child process forked from the arena's owner inherits its state and its
+//! `MAP_SHARED` mappings, whose pages are still the parent's: in the child
+//! the arena serves nothing, never caches, reuses, seals, hands over or
+//! unlinks (freeing only unmaps the child's view), until the child
+//! configures it, which first disowns everything inherited.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::CString;
@@ -42,7 +48,7 @@ use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// The system page size (the offset of a block's bytes inside its file).
@@ -206,6 +212,10 @@ pub struct Arena {
     max_blocks: AtomicUsize,
     reserve: AtomicBool,
     cache_cap: AtomicUsize,
+    /// The process the state belongs to (0 before the first `configure`): a
+    /// child forked since inherits the state and the shared mappings, but
+    /// the blocks and files are the parent's.
+    pid: AtomicI32,
     next_id: AtomicU64,
     allocated: AtomicU64,
     freed: AtomicU64,
@@ -336,6 +346,7 @@ impl Arena {
             max_blocks: AtomicUsize::new(0),
             reserve: AtomicBool::new(true),
             cache_cap: AtomicUsize::new(0),
+            pid: AtomicI32::new(0),
             next_id: AtomicU64::new(0),
             allocated: AtomicU64::new(0),
             freed: AtomicU64::new(0),
@@ -359,7 +370,23 @@ impl Arena {
     /// trimmed to the new cap and budget otherwise.
     pub fn configure(&self, settings: &Settings) {
         let mut evicted = Vec::new();
+        let mut inherited = Vec::new();
         let mut st = lock(&self.state);
+        if self.forked() {
+            // The parent's blocks and files: unmap our view of the cached ones
+            // and let the live ones go without unlinking their files.
+            while st.evict_oldest(&mut inherited) {}
+            let owned: usize = st
+                .blocks
+                .values()
+                .filter(|b| b.owned)
+                .map(|b| b.map_len)
+                .sum();
+            st.bytes -= owned;
+            st.blocks.values_mut().for_each(|b| b.owned = false);
+        }
+        // SAFETY: getpid has no preconditions.
+        self.pid.store(unsafe { libc::getpid() }, Ordering::Relaxed);
         if st.directory != settings.directory {
             while st.evict_oldest(&mut evicted) {}
         }
@@ -381,7 +408,18 @@ impl Arena {
             .store(settings.max_blocks, Ordering::Relaxed);
         self.reserve.store(settings.reserve, Ordering::Relaxed);
         drop(st);
+        for c in inherited {
+            // SAFETY: our view of a parent's cached block; its file is theirs.
+            unsafe { libc::munmap(c.addr as *mut libc::c_void, c.map_len) };
+        }
         self.destroy(evicted);
+    }
+
+    /// True in a child forked since the arena was configured.
+    fn forked(&self) -> bool {
+        let pid = self.pid.load(Ordering::Relaxed);
+        // SAFETY: getpid has no preconditions.
+        pid != 0 && pid != unsafe { libc::getpid() }
     }
 
     /// Unmap and unlink every cached block; returns the bytes released.
@@ -396,13 +434,20 @@ impl Arena {
         released
     }
 
-    /// Unmap and unlink cached blocks already taken out of the state.
+    /// Unmap and unlink cached blocks already taken out of the state (in a
+    /// forked child, only unmap: the files are the parent's).
     fn destroy(&self, evicted: Vec<Cached>) {
+        if evicted.is_empty() {
+            return;
+        }
+        let forked = self.forked();
         for c in evicted {
             // SAFETY: a cached mapping is ours alone: no array refers to it.
             unsafe { libc::munmap(c.addr as *mut libc::c_void, c.map_len) };
-            unlink(&c.path);
-            self.evicted.fetch_add(1, Ordering::Relaxed);
+            if !forked {
+                unlink(&c.path);
+                self.evicted.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -428,7 +473,7 @@ impl Arena {
     }
 
     fn alloc_with(&self, len: usize, zero: bool) -> Option<usize> {
-        if len < self.threshold() || len == 0 {
+        if len < self.threshold() || len == 0 || self.forked() {
             return None;
         }
         let page = page_size();
@@ -592,8 +637,10 @@ impl Arena {
         };
         self.freed.fetch_add(1, Ordering::Relaxed);
         let cap = self.cache_cap.load(Ordering::Relaxed);
+        let forked = self.forked();
         let mut evicted = Vec::new();
-        let kept = block.owned
+        let kept = !forked
+            && block.owned
             && block.sealed.is_none()
             && block.map_len <= cap
             && self.sole_link(&block)
@@ -625,7 +672,7 @@ impl Arena {
         }
         // SAFETY: the range is our mapping, and the caller gave up the block.
         unsafe { libc::munmap(addr as *mut libc::c_void, block.map_len) };
-        if block.owned {
+        if block.owned && !forked {
             unlink(&block.path);
         }
         true
@@ -666,7 +713,7 @@ impl Arena {
         };
         let copy = block.len.min(new_len);
         let grow = new_map.saturating_sub(block.map_len);
-        if block.sealed.is_some() || new_len < self.threshold() {
+        if block.sealed.is_some() || new_len < self.threshold() || self.forked() {
             return Realloc::CopyOut { copy };
         }
         let budget = self.budget.load(Ordering::Relaxed);
@@ -749,8 +796,12 @@ impl Arena {
     /// Hand the sealed block at `addr`'s file over: its own name is unlinked
     /// (the caller linked the file elsewhere, e.g. into a spill store, as
     /// `new_path`), later look-ups report `new_path`, and `free` only unmaps.
-    /// Errors: `NotFound` if no sealed block starts at `addr`.
+    /// Errors: `NotFound` if no sealed block starts at `addr` (or in a
+    /// forked child).
     pub fn disown(&self, addr: usize, new_path: &Path) -> io::Result<()> {
+        if self.forked() {
+            return Err(io::ErrorKind::NotFound.into());
+        }
         let mut st = lock(&self.state);
         let block = match st.blocks.get_mut(&addr) {
             Some(b) if b.sealed.is_some() => b,
@@ -775,7 +826,8 @@ impl Arena {
     /// private copy-on-write mapping of the same file at the same address.
     /// Sealing again with the same header is a no-op; returns the file path.
     ///
-    /// Errors: `NotFound` if `addr`/`len` is not exactly a live block,
+    /// Errors: `NotFound` if `addr`/`len` is not exactly a live block (or in
+    /// a forked child),
     /// `InvalidInput` if the header is too long, `AlreadyExists` if the block
     /// was sealed with another header (its file may already be shared), or
     /// the system call's error (the block is then unchanged and still
@@ -785,6 +837,9 @@ impl Arena {
         let page = page_size();
         if header.len() > page {
             return Err(io::ErrorKind::InvalidInput.into());
+        }
+        if self.forked() {
+            return Err(io::ErrorKind::NotFound.into());
         }
         let mut st = lock(&self.state);
         let block = match st.blocks.get_mut(&addr) {
@@ -1460,5 +1515,68 @@ mod tests {
         a.release_cache();
         assert_eq!(entries(d.path()), 0);
         assert_eq!(reserved(&a), (0, 0));
+    }
+
+    #[test]
+    fn a_forked_child_never_reuses_unlinks_or_serves_the_parents_blocks() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 1 << 30, 1 << 30);
+        let len = 4 * page;
+        let x = a.alloc(len).unwrap();
+        unsafe { bytes(x, len).fill(1) };
+        let x_path = a.lookup(x).unwrap().path;
+        let y = a.alloc(len).unwrap();
+        let y_path = a.lookup(y).unwrap().path;
+        a.free(y);
+        assert_eq!(a.stats().cached_blocks, 1);
+        // SAFETY: the child only runs the code below and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let code = (|| {
+                if a.alloc(len).is_some() || a.alloc_zeroed(len).is_some() {
+                    return 1;
+                }
+                if a.seal(x, len, b"H").is_ok() || a.disown(x, &x_path).is_ok() {
+                    return 2;
+                }
+                if a.realloc(x, 2 * len) != (Realloc::CopyOut { copy: len }) {
+                    return 3;
+                }
+                // Freeing an inherited block neither caches nor unlinks it.
+                if !a.free(x) || !x_path.exists() || a.stats().cached_blocks != 1 {
+                    return 4;
+                }
+                a.release_cache();
+                if !y_path.exists() {
+                    return 5;
+                }
+                a.configure(&Settings {
+                    directory: None,
+                    threshold: page,
+                    budget: 0,
+                    max_blocks: 0,
+                    reserve: true,
+                    cache: 0,
+                });
+                if !x_path.exists() || !y_path.exists() {
+                    return 6;
+                }
+                0
+            })();
+            // SAFETY: leave the forked child without running the harness.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status));
+        assert_eq!(libc::WEXITSTATUS(status), 0);
+        assert!(unsafe { bytes(x, len) }.iter().all(|&b| b == 1));
+        assert_eq!(a.alloc(len), Some(y));
+        assert_eq!(a.stats().reused, 1);
+        a.free(x);
+        a.free(y);
     }
 }
