@@ -4,8 +4,10 @@ every task through the arena (:mod:`.born`).
 
 Whether it pays off depends on the tmpfs: fresh tmpfs pages fault in 4 KiB
 units unless the file system serves huge pages, while numpy's ordinary large
-allocations get transparent huge pages. See :func:`huge_pages` and the
-README ("Arrays born shared").
+allocations get transparent huge pages. Freed blocks are reused (no fresh
+pages), but an array handed to a peer or spilled leaves the arena, and the
+one made next is a fresh file. See :func:`huge_pages` and the README
+("Arrays born shared").
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ class BornSettings:
     - ``born-shared``: ``auto`` (on when the root serves huge pages, see
       :func:`huge_pages`), ``true`` or ``false``;
     - ``born-threshold``: smallest allocation served from a file (1 MiB);
-    - ``born-budget``: most bytes in blocks at once per worker; ``auto`` is
-      the worker's memory limit, capped at half the root's free space.
+    - ``born-budget``: most bytes in blocks at once per worker, freed blocks
+      kept for reuse included; ``auto`` is the worker's memory limit, capped
+      at half the root's free space.
     """
 
     mode: bool | Literal["auto"] = "auto"
@@ -215,9 +218,9 @@ class BornSharedPlugin(WorkerPlugin):
         if not settings.enabled_for(root):
             logger.info(
                 "dask-shm: arrays born shared stay off: %s serves no huge pages, and "
-                "fresh 4 KiB tmpfs pages make numpy slower than ordinary memory "
-                "(mount the root with huge=within_size, or set "
-                "shm.shared-memory.born-shared: true)",
+                "arrays made for peers or spilled would fault fresh 4 KiB tmpfs pages "
+                "in, slower than ordinary memory (mount the root with "
+                "huge=within_size, or set shm.shared-memory.born-shared: true)",
                 root,
             )
             return
