@@ -50,7 +50,7 @@ from distributed import Client, LocalCluster, wait
 from distributed.spill import SpillBuffer as StockSpillBuffer
 
 from dask_shm import SharedMemoryPlugin
-from dask_shm.shared import born, born_worker
+from dask_shm.shared import born, born_worker, paths
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -94,7 +94,9 @@ def _root_for(impl: str, huge_root: str | None) -> str:
 @pytest.fixture
 def arena_dir(request: Any, huge_root: str | None) -> Iterator[str]:
     impl = request.node.callspec.params["impl"]
-    directory = tempfile.mkdtemp(prefix="dask-shm-bench-born-", dir=_root_for(impl, huge_root))
+    # Under the per-user directory, as a worker's: a store adopts only files there.
+    root = paths.user_root(_root_for(impl, huge_root))
+    directory = tempfile.mkdtemp(prefix="bench-born-", dir=root)
     born.start(directory, budget=4 * GiB)
     try:
         yield directory
@@ -124,11 +126,11 @@ def test_numpy_fresh(benchmark: Any, impl: str, arena_dir: str) -> None:
 
 
 @pytest.mark.parametrize("impl", ["stock", "ours-born", "ours-born-huge"])
-def test_spill(benchmark: Any, impl: str, arena_dir: str) -> None:
+def test_spill(benchmark: Any, impl: str, arena_dir: str, huge_root: str | None) -> None:
     from dask_shm.shared.buffer import SharedSpillBuffer
 
     benchmark.group = f"spill one {ARRAY // MiB} MiB array"
-    root = os.path.dirname(arena_dir)
+    root = _root_for(impl, huge_root)
     buffers: list[Any] = []
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:

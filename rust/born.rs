@@ -17,6 +17,17 @@
 //!   `vm.max_map_count`), or when any system call fails (e.g. tmpfs full).
 //! - [`Arena::free`] unmaps and unlinks the block's own name. A file that
 //!   something else linked meanwhile (a spill store, a peer) lives on.
+//! - Except that a freed block nobody else can see (never sealed, never
+//!   disowned, its file linked only by the arena) is kept, mapping and file
+//!   intact, in a bounded *free cache*, the way a malloc arena keeps freed
+//!   chunks: the next [`Arena::alloc`] of the same mapping length takes it
+//!   back, so a steady workload creates no files, allocates no tmpfs pages
+//!   and takes no page faults (on a 4 KiB-page tmpfs, faulting fresh pages
+//!   in costs ~3x what anonymous memory does, and unlinking frees them all
+//!   again). Cached blocks still count against the byte and block budgets
+//!   (and in [`Stats`]); they are evicted (unmapped and unlinked), oldest
+//!   first, beyond the cache's cap, when a fresh allocation needs their
+//!   budget, when the settings shrink or change directory, and on stop.
 //! - [`Arena::seal`] writes the header and replaces the block's mapping in
 //!   place by a `MAP_PRIVATE` mapping of the same file at the same address:
 //!   later writes by the owner are copy-on-write and never reach the file,
@@ -24,13 +35,20 @@
 //!
 //! Nothing here touches Python: the numpy allocator callbacks
 //! (`born_py.rs`) call these methods without the GIL.
+//!
+//! A child process forked from the arena's owner inherits its state and its
+//! `MAP_SHARED` mappings, whose pages are still the parent's: in the child
+//! the arena serves nothing, never caches, reuses, seals, hands over or
+//! unlinks (freeing only unmaps the child's view), until the child
+//! configures it, which first disowns everything inherited.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::CString;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// The system page size (the offset of a block's bytes inside its file).
@@ -53,6 +71,25 @@ struct Block {
     /// False once [`Arena::disown`] gave the file to someone else: `free`
     /// then leaves it alone.
     owned: bool,
+}
+
+/// A freed block kept for reuse: its file (still only the arena's, sized
+/// `header + len`) and its writable shared mapping are intact.
+#[derive(Debug)]
+struct Cached {
+    addr: usize,
+    path: PathBuf,
+    len: usize,
+    map_len: usize,
+}
+
+/// The largest free cache [`default_cache`] allows.
+pub const DEFAULT_CACHE_MAX: usize = 256 << 20;
+
+/// Default cap of the free cache for a byte budget: a quarter of the budget,
+/// at most [`DEFAULT_CACHE_MAX`].
+pub fn default_cache(budget: usize) -> usize {
+    (budget / 4).min(DEFAULT_CACHE_MAX)
 }
 
 /// What [`Arena::lookup`] tells about a block.
@@ -78,17 +115,68 @@ pub struct Stats {
     pub refused_budget: u64,
     pub refused_blocks: u64,
     pub refused_error: u64,
+    /// Freed blocks kept for reuse, and their mapped bytes (also the
+    /// arena's own memory: they count against the budgets).
+    pub cached_blocks: usize,
+    pub cached_bytes: usize,
+    /// Allocations served by a cached block (included in `allocated`).
+    pub reused: u64,
+    /// Cached blocks unmapped and unlinked.
+    pub evicted: u64,
 }
 
 #[derive(Debug)]
 struct State {
     directory: Option<PathBuf>,
     blocks: BTreeMap<usize, Block>,
-    /// Mapped bytes of the blocks whose file is still ours, plus
-    /// reservations in progress: what the byte budget limits.
+    /// Mapped bytes of the blocks whose file is still ours, cached blocks
+    /// and reservations in progress: what the byte budget limits.
     bytes: usize,
-    /// Blocks plus reservations in progress.
+    /// Blocks, cached blocks and reservations in progress.
     count: usize,
+    /// The free cache, oldest first (keyed by a sequence number).
+    cache: BTreeMap<u64, Cached>,
+    /// `(map_len, seq)` of every cached block: finds the newest of a length.
+    cache_index: BTreeSet<(usize, u64)>,
+    cache_bytes: usize,
+    cache_seq: u64,
+}
+
+impl State {
+    /// Take the most recently cached block of mapping length `map_len`. Its
+    /// bytes and mapping stay counted: they pass to the new block.
+    fn take_cached(&mut self, map_len: usize) -> Option<Cached> {
+        let &(_, seq) = self
+            .cache_index
+            .range((map_len, 0)..=(map_len, u64::MAX))
+            .next_back()?;
+        self.cache_index.remove(&(map_len, seq));
+        let c = self.cache.remove(&seq).expect("indexed");
+        self.cache_bytes -= c.map_len;
+        Some(c)
+    }
+
+    fn put_cached(&mut self, c: Cached) {
+        let seq = self.cache_seq;
+        self.cache_seq += 1;
+        self.cache_bytes += c.map_len;
+        self.cache_index.insert((c.map_len, seq));
+        self.cache.insert(seq, c);
+    }
+
+    /// Move the oldest cached block to `out` (to be destroyed once the lock
+    /// is released), releasing its budget. False if the cache is empty.
+    fn evict_oldest(&mut self, out: &mut Vec<Cached>) -> bool {
+        let Some((seq, c)) = self.cache.pop_first() else {
+            return false;
+        };
+        self.cache_index.remove(&(c.map_len, seq));
+        self.cache_bytes -= c.map_len;
+        self.bytes -= c.map_len;
+        self.count -= 1;
+        out.push(c);
+        true
+    }
 }
 
 /// Allocation settings; see [`Arena::configure`].
@@ -107,6 +195,9 @@ pub struct Settings {
     /// tmpfs refuses the allocation instead of killing the process with
     /// SIGBUS on a later page fault.
     pub reserve: bool,
+    /// Most bytes of freed blocks kept for reuse (0: none); see
+    /// [`default_cache`].
+    pub cache: usize,
 }
 
 /// A thread-safe allocator of file-backed blocks. `const`-constructible so
@@ -120,6 +211,11 @@ pub struct Arena {
     budget: AtomicUsize,
     max_blocks: AtomicUsize,
     reserve: AtomicBool,
+    cache_cap: AtomicUsize,
+    /// The process the state belongs to (0 before the first `configure`): a
+    /// child forked since inherits the state and the shared mappings, but
+    /// the blocks and files are the parent's.
+    pid: AtomicI32,
     next_id: AtomicU64,
     allocated: AtomicU64,
     freed: AtomicU64,
@@ -127,6 +223,15 @@ pub struct Arena {
     refused_budget: AtomicU64,
     refused_blocks: AtomicU64,
     refused_error: AtomicU64,
+    reused: AtomicU64,
+    evicted: AtomicU64,
+}
+
+impl Drop for Arena {
+    /// Cached blocks go with the arena (live ones belong to their users).
+    fn drop(&mut self) {
+        self.release_cache();
+    }
 }
 
 impl Default for Arena {
@@ -230,12 +335,18 @@ impl Arena {
                 blocks: BTreeMap::new(),
                 bytes: 0,
                 count: 0,
+                cache: BTreeMap::new(),
+                cache_index: BTreeSet::new(),
+                cache_bytes: 0,
+                cache_seq: 0,
             }),
             live: AtomicUsize::new(0),
             threshold: AtomicUsize::new(usize::MAX),
             budget: AtomicUsize::new(0),
             max_blocks: AtomicUsize::new(0),
             reserve: AtomicBool::new(true),
+            cache_cap: AtomicUsize::new(0),
+            pid: AtomicI32::new(0),
             next_id: AtomicU64::new(0),
             allocated: AtomicU64::new(0),
             freed: AtomicU64::new(0),
@@ -243,6 +354,8 @@ impl Arena {
             refused_budget: AtomicU64::new(0),
             refused_blocks: AtomicU64::new(0),
             refused_error: AtomicU64::new(0),
+            reused: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
         }
     }
 
@@ -252,9 +365,35 @@ impl Arena {
     }
 
     /// Apply new settings. Live blocks keep their files; new blocks go to the
-    /// new directory. `directory: None` stops serving new blocks.
+    /// new directory. `directory: None` stops serving new blocks. The free
+    /// cache is emptied when the directory changes (or the arena stops) and
+    /// trimmed to the new cap and budget otherwise.
     pub fn configure(&self, settings: &Settings) {
+        let mut evicted = Vec::new();
+        let mut inherited = Vec::new();
         let mut st = lock(&self.state);
+        if self.forked() {
+            // The parent's blocks and files: unmap our view of the cached ones
+            // and let the live ones go without unlinking their files.
+            while st.evict_oldest(&mut inherited) {}
+            let owned: usize = st
+                .blocks
+                .values()
+                .filter(|b| b.owned)
+                .map(|b| b.map_len)
+                .sum();
+            st.bytes -= owned;
+            st.blocks.values_mut().for_each(|b| b.owned = false);
+        }
+        // SAFETY: getpid has no preconditions.
+        self.pid.store(unsafe { libc::getpid() }, Ordering::Relaxed);
+        if st.directory != settings.directory {
+            while st.evict_oldest(&mut evicted) {}
+        }
+        while (st.cache_bytes > settings.cache || st.bytes > settings.budget)
+            && st.evict_oldest(&mut evicted)
+        {}
+        self.cache_cap.store(settings.cache, Ordering::Relaxed);
         st.directory = settings.directory.clone();
         self.threshold.store(
             if settings.directory.is_some() {
@@ -268,6 +407,48 @@ impl Arena {
         self.max_blocks
             .store(settings.max_blocks, Ordering::Relaxed);
         self.reserve.store(settings.reserve, Ordering::Relaxed);
+        drop(st);
+        for c in inherited {
+            // SAFETY: our view of a parent's cached block; its file is theirs.
+            unsafe { libc::munmap(c.addr as *mut libc::c_void, c.map_len) };
+        }
+        self.destroy(evicted);
+    }
+
+    /// True in a child forked since the arena was configured.
+    fn forked(&self) -> bool {
+        let pid = self.pid.load(Ordering::Relaxed);
+        // SAFETY: getpid has no preconditions.
+        pid != 0 && pid != unsafe { libc::getpid() }
+    }
+
+    /// Unmap and unlink every cached block; returns the bytes released.
+    pub fn release_cache(&self) -> usize {
+        let mut evicted = Vec::new();
+        {
+            let mut st = lock(&self.state);
+            while st.evict_oldest(&mut evicted) {}
+        }
+        let released = evicted.iter().map(|c| c.map_len).sum();
+        self.destroy(evicted);
+        released
+    }
+
+    /// Unmap and unlink cached blocks already taken out of the state (in a
+    /// forked child, only unmap: the files are the parent's).
+    fn destroy(&self, evicted: Vec<Cached>) {
+        if evicted.is_empty() {
+            return;
+        }
+        let forked = self.forked();
+        for c in evicted {
+            // SAFETY: a cached mapping is ours alone: no array refers to it.
+            unsafe { libc::munmap(c.addr as *mut libc::c_void, c.map_len) };
+            if !forked {
+                unlink(&c.path);
+                self.evicted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Smallest size served from a file (`usize::MAX` when disabled).
@@ -275,59 +456,134 @@ impl Arena {
         self.threshold.load(Ordering::Relaxed)
     }
 
-    /// A new block of `len` bytes (all zero), or `None` when it must come
-    /// from ordinary memory: below the threshold, over a budget, or a system
-    /// call failed (counted in [`Stats`]; the reason is not an error).
+    /// A block of `len` bytes, or `None` when it must come from ordinary
+    /// memory: below the threshold, over a budget, or a system call failed
+    /// (counted in [`Stats`]; the reason is not an error). Its bytes are
+    /// unspecified (like `malloc`'s) when it is a cached block taken back;
+    /// see [`Arena::alloc_zeroed`].
     pub fn alloc(&self, len: usize) -> Option<usize> {
-        if len < self.threshold() || len == 0 {
+        self.alloc_with(len, false)
+    }
+
+    /// [`Arena::alloc`] whose bytes are all zero (`calloc`): a fresh file
+    /// reads as zeros, a cached block is cleared (writing already-mapped
+    /// pages costs far less than faulting fresh tmpfs pages in).
+    pub fn alloc_zeroed(&self, len: usize) -> Option<usize> {
+        self.alloc_with(len, true)
+    }
+
+    fn alloc_with(&self, len: usize, zero: bool) -> Option<usize> {
+        if len < self.threshold() || len == 0 || self.forked() {
             return None;
         }
         let page = page_size();
         let map_len = round_up(len, page);
-        let directory = {
+        loop {
+            let mut evicted = Vec::new();
+            let taken = {
+                let mut st = lock(&self.state);
+                let directory = st.directory.clone()?;
+                match st.take_cached(map_len) {
+                    Some(c) => Ok(c),
+                    None => {
+                        // Cached blocks of other lengths give way to a fresh one.
+                        let max_blocks = self.max_blocks.load(Ordering::Relaxed);
+                        let budget = self.budget.load(Ordering::Relaxed);
+                        while (st.count >= max_blocks || st.bytes.saturating_add(map_len) > budget)
+                            && st.evict_oldest(&mut evicted)
+                        {}
+                        if st.count >= max_blocks {
+                            self.refused_blocks.fetch_add(1, Ordering::Relaxed);
+                            drop(st);
+                            self.destroy(evicted);
+                            return None;
+                        }
+                        if st.bytes.saturating_add(map_len) > budget {
+                            self.refused_budget.fetch_add(1, Ordering::Relaxed);
+                            drop(st);
+                            self.destroy(evicted);
+                            return None;
+                        }
+                        st.bytes += map_len;
+                        st.count += 1;
+                        Err(directory)
+                    }
+                }
+            };
+            self.destroy(evicted);
+            let (addr, path) = match taken {
+                Ok(c) => match self.reuse(&c, len, zero) {
+                    Ok(()) => {
+                        self.reused.fetch_add(1, Ordering::Relaxed);
+                        (c.addr, c.path)
+                    }
+                    Err(_) => {
+                        // E.g. the file vanished: drop it and look again.
+                        {
+                            let mut st = lock(&self.state);
+                            st.bytes -= c.map_len;
+                            st.count -= 1;
+                        }
+                        self.destroy(vec![c]);
+                        continue;
+                    }
+                },
+                Err(directory) => {
+                    // File creation and mapping run outside the lock: they
+                    // take tens of microseconds and other threads allocate
+                    // meanwhile.
+                    let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                    let path = directory.join(id.to_string());
+                    match self.make(&path, len, map_len, page) {
+                        Ok(addr) => (addr, path),
+                        Err(_) => {
+                            let mut st = lock(&self.state);
+                            st.bytes -= map_len;
+                            st.count -= 1;
+                            self.refused_error.fetch_add(1, Ordering::Relaxed);
+                            return None;
+                        }
+                    }
+                }
+            };
             let mut st = lock(&self.state);
-            let directory = st.directory.clone()?;
-            if st.count >= self.max_blocks.load(Ordering::Relaxed) {
-                self.refused_blocks.fetch_add(1, Ordering::Relaxed);
-                return None;
-            }
-            if st.bytes.saturating_add(map_len) > self.budget.load(Ordering::Relaxed) {
-                self.refused_budget.fetch_add(1, Ordering::Relaxed);
-                return None;
-            }
-            st.bytes += map_len;
-            st.count += 1;
-            directory
-        };
-        // File creation and mapping run outside the lock: they take tens of
-        // microseconds and other threads allocate meanwhile.
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let path = directory.join(id.to_string());
-        match self.make(&path, len, map_len, page) {
-            Ok(addr) => {
-                let mut st = lock(&self.state);
-                st.blocks.insert(
-                    addr,
-                    Block {
-                        path,
-                        len,
-                        map_len,
-                        sealed: None,
-                        owned: true,
-                    },
-                );
-                self.live.fetch_add(1, Ordering::Release);
-                self.allocated.fetch_add(1, Ordering::Relaxed);
-                Some(addr)
-            }
-            Err(_) => {
-                let mut st = lock(&self.state);
-                st.bytes -= map_len;
-                st.count -= 1;
-                self.refused_error.fetch_add(1, Ordering::Relaxed);
-                None
-            }
+            st.blocks.insert(
+                addr,
+                Block {
+                    path,
+                    len,
+                    map_len,
+                    sealed: None,
+                    owned: true,
+                },
+            );
+            self.live.fetch_add(1, Ordering::Release);
+            self.allocated.fetch_add(1, Ordering::Relaxed);
+            return Some(addr);
         }
+    }
+
+    /// Make the cached block `c` (same mapping length) a block of `len`
+    /// bytes: the file must be exactly `header + len` bytes (the spill-file
+    /// layout), which within the mapping's last page is a plain `ftruncate`.
+    /// Errors if the file is no longer the arena's alone (linked, resized
+    /// or removed behind its back while cached): it is then not reused.
+    fn reuse(&self, c: &Cached, len: usize, zero: bool) -> io::Result<()> {
+        let m = std::fs::symlink_metadata(&c.path)?;
+        if !m.file_type().is_file() || m.nlink() != 1 || m.len() as usize != page_size() + c.len {
+            return Err(io::ErrorKind::InvalidData.into());
+        }
+        if c.len != len {
+            let fd = open(&c.path, libc::O_RDWR)?;
+            // SAFETY: resizing our own file within the mapping's last page:
+            // every mapped page still has file behind it.
+            check(unsafe { libc::ftruncate(fd.0, (page_size() + len) as libc::off_t) })?;
+        }
+        if zero {
+            // SAFETY: the cached mapping is ours alone and at least `len` long.
+            unsafe { std::ptr::write_bytes(c.addr as *mut u8, 0, len) };
+        }
+        Ok(())
     }
 
     fn make(&self, path: &Path, len: usize, map_len: usize, page: usize) -> io::Result<usize> {
@@ -361,8 +617,10 @@ impl Arena {
         mapped
     }
 
-    /// Unmap and unlink the block at `addr`. Returns false (and does nothing)
-    /// if `addr` is not the start of a live block.
+    /// Give the block at `addr` back: keep it in the free cache when nobody
+    /// else can see its file (see the module docs), else unmap it and
+    /// unlink its own name. Returns false (and does nothing) if `addr` is
+    /// not the start of a live block.
     pub fn free(&self, addr: usize) -> bool {
         if self.live.load(Ordering::Acquire) == 0 {
             return false;
@@ -372,20 +630,65 @@ impl Arena {
             let Some(block) = st.blocks.remove(&addr) else {
                 return false;
             };
+            self.live.fetch_sub(1, Ordering::Release);
+            // Its budget (bytes and count) stays taken until it is cached or
+            // gone.
+            block
+        };
+        self.freed.fetch_add(1, Ordering::Relaxed);
+        let cap = self.cache_cap.load(Ordering::Relaxed);
+        let forked = self.forked();
+        let mut evicted = Vec::new();
+        let kept = !forked
+            && block.owned
+            && block.sealed.is_none()
+            && block.map_len <= cap
+            && self.sole_link(&block)
+            && {
+                let mut st = lock(&self.state);
+                let here = st.directory.is_some() && block.path.parent() == st.directory.as_deref();
+                if here {
+                    st.put_cached(Cached {
+                        addr,
+                        path: block.path.clone(),
+                        len: block.len,
+                        map_len: block.map_len,
+                    });
+                    let cap = self.cache_cap.load(Ordering::Relaxed);
+                    while st.cache_bytes > cap && st.evict_oldest(&mut evicted) {}
+                }
+                here
+            };
+        self.destroy(evicted);
+        if kept {
+            return true;
+        }
+        {
+            let mut st = lock(&self.state);
             if block.owned {
                 st.bytes -= block.map_len;
             }
             st.count -= 1;
-            self.live.fetch_sub(1, Ordering::Release);
-            block
-        };
+        }
         // SAFETY: the range is our mapping, and the caller gave up the block.
         unsafe { libc::munmap(addr as *mut libc::c_void, block.map_len) };
-        if block.owned {
+        if block.owned && !forked {
             unlink(&block.path);
         }
-        self.freed.fetch_add(1, Ordering::Relaxed);
         true
+    }
+
+    /// True when the block's file is still exactly as the arena made it and
+    /// linked by the arena alone: nothing else can see a later reuse.
+    fn sole_link(&self, block: &Block) -> bool {
+        match std::fs::symlink_metadata(&block.path) {
+            Ok(m) => {
+                m.file_type().is_file()
+                    && m.nlink() == 1
+                    && m.len() as usize == page_size() + block.len
+            }
+            Err(_) => false,
+        }
     }
 
     /// Resize the block at `addr` to `new_len` bytes; see [`Realloc`]. A block
@@ -395,6 +698,13 @@ impl Arena {
         if self.live.load(Ordering::Acquire) == 0 {
             return Realloc::NotOurs;
         }
+        let mut evicted = Vec::new();
+        let done = self.realloc_locked(addr, new_len, &mut evicted);
+        self.destroy(evicted);
+        done
+    }
+
+    fn realloc_locked(&self, addr: usize, new_len: usize, evicted: &mut Vec<Cached>) -> Realloc {
         let page = page_size();
         let new_map = round_up(new_len.max(1), page);
         let mut st = lock(&self.state);
@@ -403,10 +713,13 @@ impl Arena {
         };
         let copy = block.len.min(new_len);
         let grow = new_map.saturating_sub(block.map_len);
-        if block.sealed.is_some()
-            || new_len < self.threshold()
-            || st.bytes.saturating_add(grow) > self.budget.load(Ordering::Relaxed)
-        {
+        if block.sealed.is_some() || new_len < self.threshold() || self.forked() {
+            return Realloc::CopyOut { copy };
+        }
+        let budget = self.budget.load(Ordering::Relaxed);
+        // Cached blocks give way to a growing one.
+        while st.bytes.saturating_add(grow) > budget && st.evict_oldest(evicted) {}
+        if st.bytes.saturating_add(grow) > budget {
             return Realloc::CopyOut { copy };
         }
         let block = st.blocks.remove(&addr).expect("looked up above");
@@ -483,8 +796,12 @@ impl Arena {
     /// Hand the sealed block at `addr`'s file over: its own name is unlinked
     /// (the caller linked the file elsewhere, e.g. into a spill store, as
     /// `new_path`), later look-ups report `new_path`, and `free` only unmaps.
-    /// Errors: `NotFound` if no sealed block starts at `addr`.
+    /// Errors: `NotFound` if no sealed block starts at `addr` (or in a
+    /// forked child).
     pub fn disown(&self, addr: usize, new_path: &Path) -> io::Result<()> {
+        if self.forked() {
+            return Err(io::ErrorKind::NotFound.into());
+        }
         let mut st = lock(&self.state);
         let block = match st.blocks.get_mut(&addr) {
             Some(b) if b.sealed.is_some() => b,
@@ -509,7 +826,8 @@ impl Arena {
     /// private copy-on-write mapping of the same file at the same address.
     /// Sealing again with the same header is a no-op; returns the file path.
     ///
-    /// Errors: `NotFound` if `addr`/`len` is not exactly a live block,
+    /// Errors: `NotFound` if `addr`/`len` is not exactly a live block (or in
+    /// a forked child),
     /// `InvalidInput` if the header is too long, `AlreadyExists` if the block
     /// was sealed with another header (its file may already be shared), or
     /// the system call's error (the block is then unchanged and still
@@ -519,6 +837,9 @@ impl Arena {
         let page = page_size();
         if header.len() > page {
             return Err(io::ErrorKind::InvalidInput.into());
+        }
+        if self.forked() {
+            return Err(io::ErrorKind::NotFound.into());
         }
         let mut st = lock(&self.state);
         let block = match st.blocks.get_mut(&addr) {
@@ -582,6 +903,10 @@ impl Arena {
             refused_budget: self.refused_budget.load(Ordering::Relaxed),
             refused_blocks: self.refused_blocks.load(Ordering::Relaxed),
             refused_error: self.refused_error.load(Ordering::Relaxed),
+            cached_blocks: st.cache.len(),
+            cached_bytes: st.cache_bytes,
+            reused: self.reused.load(Ordering::Relaxed),
+            evicted: self.evicted.load(Ordering::Relaxed),
         }
     }
 
@@ -614,8 +939,32 @@ mod tests {
             budget,
             max_blocks,
             reserve: true,
+            cache: 0,
         });
         a
+    }
+
+    fn cached_arena(dir: &Path, threshold: usize, budget: usize, cache: usize) -> Arena {
+        let a = Arena::new();
+        a.configure(&Settings {
+            directory: Some(dir.to_path_buf()),
+            threshold,
+            budget,
+            max_blocks: 1000,
+            reserve: true,
+            cache,
+        });
+        a
+    }
+
+    /// (bytes, count) the budgets see.
+    fn reserved(a: &Arena) -> (usize, usize) {
+        let st = lock(&a.state);
+        (st.bytes, st.count)
+    }
+
+    fn entries(dir: &Path) -> usize {
+        fs::read_dir(dir).unwrap().count()
     }
 
     unsafe fn bytes<'a>(addr: usize, len: usize) -> &'a mut [u8] {
@@ -690,6 +1039,7 @@ mod tests {
             budget: 1 << 30,
             max_blocks: 2,
             reserve: true,
+            cache: 0,
         });
         assert_eq!(a.alloc(page), None);
         assert_eq!(a.stats().refused_blocks, 1);
@@ -838,5 +1188,395 @@ mod tests {
         assert_eq!(s.allocated, served);
         assert_eq!(s.allocated, s.freed);
         assert_eq!(fs::read_dir(d.path()).unwrap().count(), 0);
+    }
+
+    /// Minor page faults of the calling thread so far.
+    fn minor_faults() -> i64 {
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: filling our own struct.
+        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
+        u.ru_minflt
+    }
+
+    #[test]
+    fn freed_blocks_are_reused_without_new_files_or_faults() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 1 << 30, 1 << 30);
+        let len = 64 * page;
+        let addr = a.alloc(len).unwrap();
+        let path = a.lookup(addr).unwrap().path;
+        unsafe { bytes(addr, len).fill(5) };
+        assert!(a.free(addr));
+        // Kept: file and mapping intact, still counted as the arena's.
+        assert!(path.exists());
+        let s = a.stats();
+        assert_eq!((s.blocks, s.bytes, s.owned_bytes), (0, 0, 0));
+        assert_eq!((s.cached_blocks, s.cached_bytes, s.freed), (1, len, 1));
+        assert_eq!(lock(&a.state).bytes, len);
+        assert!(a.lookup(addr).is_none());
+        assert!(!a.free(addr)); // a cached block is not a live one
+
+        let faults = minor_faults();
+        let again = a.alloc(len).unwrap();
+        unsafe { bytes(again, len).fill(6) };
+        assert!(minor_faults() - faults < 4, "reuse took page faults");
+        assert_eq!(again, addr);
+        let info = a.lookup(again).unwrap();
+        assert_eq!((info.path.as_path(), info.len), (path.as_path(), len));
+        // Still the file's shared mapping: what seal and a peer rely on.
+        assert!(fs::read(&path).unwrap()[page..].iter().all(|&b| b == 6));
+        let s = a.stats();
+        assert_eq!(
+            (s.allocated, s.reused, s.cached_blocks, s.cached_bytes),
+            (2, 1, 0, 0)
+        );
+        assert_eq!(entries(d.path()), 1);
+
+        // Same mapping length, other byte length: the file is resized to
+        // exactly header + len (the spill-file layout).
+        a.free(again);
+        let odd = a.alloc(len - 17).unwrap();
+        assert_eq!(odd, addr);
+        assert_eq!(fs::metadata(&path).unwrap().len() as usize, page + len - 17);
+        assert_eq!(a.lookup(odd).unwrap().len, len - 17);
+        unsafe { bytes(odd, len - 17).fill(7) };
+        a.free(odd);
+        let back = a.alloc(len).unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().len() as usize, page + len);
+        a.free(back);
+
+        // Another mapping length is a fresh block.
+        let other = a.alloc(len + page).unwrap();
+        assert_ne!(a.lookup(other).unwrap().path, path);
+        assert_eq!(a.stats().reused, 3);
+        a.free(other);
+        assert_eq!(a.stats().cached_blocks, 2);
+        assert_eq!(a.release_cache(), 2 * len + page);
+        assert_eq!(entries(d.path()), 0);
+        let s = a.stats();
+        assert_eq!((s.cached_blocks, s.cached_bytes, s.evicted), (0, 0, 2));
+        assert_eq!(lock(&a.state).bytes, 0);
+        assert_eq!(lock(&a.state).count, 0);
+    }
+
+    #[test]
+    fn calloc_of_a_cached_block_reads_zeros() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 1 << 30, 1 << 30);
+        let len = 8 * page + 100;
+        let addr = a.alloc_zeroed(len).unwrap();
+        unsafe { bytes(addr, len).fill(0xAB) };
+        a.free(addr);
+        let z = a.alloc_zeroed(len).unwrap();
+        assert_eq!(z, addr);
+        assert!(unsafe { bytes(z, len) }.iter().all(|&b| b == 0));
+        a.free(z);
+        // A shorter length in the same pages: zero as well.
+        let z = a.alloc_zeroed(len - 50).unwrap();
+        assert_eq!(z, addr);
+        assert!(unsafe { bytes(z, len - 50) }.iter().all(|&b| b == 0));
+        assert_eq!(a.stats().reused, 2);
+        a.free(z);
+    }
+
+    #[test]
+    fn linked_sealed_and_disowned_blocks_are_never_cached() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 1 << 30, 1 << 30);
+        let len = 4 * page;
+
+        // Linked elsewhere while in use: the peer's file must never change.
+        let x = a.alloc(len).unwrap();
+        unsafe { bytes(x, len).fill(1) };
+        let peer = d.path().join("peer");
+        fs::hard_link(a.lookup(x).unwrap().path, &peer).unwrap();
+        a.free(x);
+        // Sealed (its file may be shared).
+        let y = a.alloc(len).unwrap();
+        unsafe { bytes(y, len).fill(2) };
+        let sealed = a.seal(y, len, b"H").unwrap();
+        let sealed_copy = d.path().join("sealed-peer");
+        fs::hard_link(&sealed, &sealed_copy).unwrap();
+        a.free(y);
+        // Sealed and disowned (a store's file now).
+        let z = a.alloc(len).unwrap();
+        let path = a.seal(z, len, b"H").unwrap();
+        let store = d.path().join("store");
+        fs::hard_link(&path, &store).unwrap();
+        a.disown(z, &store).unwrap();
+        a.free(z);
+        // Sealed, never linked: still not reused (sealing wrote its file).
+        let w = a.alloc(len).unwrap();
+        a.seal(w, len, b"H").unwrap();
+        a.free(w);
+
+        let s = a.stats();
+        assert_eq!((s.cached_blocks, s.cached_bytes, s.reused), (0, 0, 0));
+        assert_eq!(lock(&a.state).bytes, 0);
+        for _ in 0..3 {
+            let n = a.alloc(len).unwrap();
+            unsafe { bytes(n, len).fill(9) };
+        }
+        assert_eq!(a.stats().reused, 0);
+        assert!(fs::read(&peer).unwrap()[page..].iter().all(|&b| b == 1));
+        assert!(fs::read(&sealed_copy).unwrap()[page..]
+            .iter()
+            .all(|&b| b == 2));
+        assert!(store.exists());
+    }
+
+    #[test]
+    fn a_cached_file_linked_behind_the_arenas_back_is_not_reused() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 1 << 30, 1 << 30);
+        let x = a.alloc(2 * page).unwrap();
+        unsafe { bytes(x, 2 * page).fill(3) };
+        let path = a.lookup(x).unwrap().path;
+        a.free(x);
+        let peer = d.path().join("peer");
+        fs::hard_link(&path, &peer).unwrap();
+        let y = a.alloc(2 * page).unwrap();
+        unsafe { bytes(y, 2 * page).fill(4) };
+        assert_ne!(a.lookup(y).unwrap().path, path);
+        let s = a.stats();
+        assert_eq!((s.reused, s.cached_blocks, s.evicted), (0, 0, 1));
+        assert!(fs::read(&peer).unwrap()[page..].iter().all(|&b| b == 3));
+        assert_eq!(lock(&a.state).bytes, 2 * page);
+        a.free(y);
+    }
+
+    #[test]
+    fn the_cache_cap_is_respected_oldest_first() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 1 << 30, 5 * page);
+        let blocks: Vec<usize> = (0..4).map(|_| a.alloc(2 * page).unwrap()).collect();
+        let paths: Vec<PathBuf> = blocks.iter().map(|&b| a.lookup(b).unwrap().path).collect();
+        for &b in &blocks {
+            a.free(b);
+        }
+        let s = a.stats();
+        assert_eq!(
+            (s.cached_blocks, s.cached_bytes, s.evicted),
+            (2, 4 * page, 2)
+        );
+        assert!(!paths[0].exists() && !paths[1].exists());
+        assert!(paths[2].exists() && paths[3].exists());
+        // The newest of a length is taken first.
+        assert_eq!(a.alloc(2 * page).unwrap(), blocks[3]);
+        // A block longer than the cap is never kept.
+        let big = a.alloc(6 * page).unwrap();
+        let big_path = a.lookup(big).unwrap().path;
+        a.free(big);
+        assert!(!big_path.exists());
+        assert_eq!(a.stats().cached_bytes, 2 * page);
+        assert_eq!(lock(&a.state).bytes, 4 * page);
+    }
+
+    #[test]
+    fn cached_blocks_give_way_to_budget_block_limit_and_growth() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 6 * page, 6 * page);
+        let x = a.alloc(2 * page).unwrap();
+        let y = a.alloc(2 * page).unwrap();
+        a.free(x);
+        a.free(y);
+        assert_eq!(lock(&a.state).bytes, 4 * page);
+        // 5 pages: over the budget unless one cached block goes.
+        let z = a.alloc(3 * page).unwrap();
+        let s = a.stats();
+        assert_eq!((s.cached_blocks, s.evicted, s.refused_budget), (1, 1, 0));
+        assert_eq!(lock(&a.state).bytes, 5 * page);
+        // Growing in place takes the remaining cached block's budget.
+        assert!(matches!(a.realloc(z, 6 * page), Realloc::Moved(_)));
+        let s = a.stats();
+        assert_eq!((s.cached_blocks, s.evicted), (0, 2));
+        assert_eq!(entries(d.path()), 1);
+
+        // The block limit (another directory: file names restart at 0).
+        let d2 = tmpfs_dir();
+        let b = Arena::new();
+        b.configure(&Settings {
+            directory: Some(d2.path().to_path_buf()),
+            threshold: page,
+            budget: 1 << 30,
+            max_blocks: 2,
+            reserve: true,
+            cache: 1 << 30,
+        });
+        let p = b.alloc(page).unwrap();
+        let q = b.alloc(page).unwrap();
+        b.free(p);
+        assert!(b.alloc(2 * page).is_some()); // p's mapping went for it
+        assert_eq!(b.stats().evicted, 1);
+        assert_eq!(b.alloc(page), None);
+        assert_eq!(b.stats().refused_blocks, 1);
+        b.free(q);
+    }
+
+    #[test]
+    fn stop_reconfigure_and_drop_release_the_cache() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let settings = |dir: Option<PathBuf>, budget, cache| Settings {
+            directory: dir,
+            threshold: page,
+            budget,
+            max_blocks: 1000,
+            reserve: true,
+            cache,
+        };
+        let a = cached_arena(d.path(), page, 1 << 30, 1 << 30);
+        for _ in 0..2 {
+            let blocks: Vec<usize> = (1..4).map(|n| a.alloc(n * page).unwrap()).collect();
+            blocks.into_iter().for_each(|b| assert!(a.free(b)));
+        }
+        assert_eq!(a.stats().cached_blocks, 3);
+        // A smaller cap or budget trims, oldest first.
+        a.configure(&settings(Some(d.path().into()), 1 << 30, 5 * page));
+        assert_eq!(a.stats().cached_bytes, 5 * page);
+        a.configure(&settings(Some(d.path().into()), 3 * page, 5 * page));
+        assert_eq!(a.stats().cached_bytes, 3 * page);
+        assert_eq!(entries(d.path()), 1);
+        // Stopping releases everything.
+        a.configure(&settings(None, 1 << 30, 1 << 30));
+        assert_eq!(entries(d.path()), 0);
+        let s = a.stats();
+        assert_eq!((s.cached_blocks, s.cached_bytes), (0, 0));
+        assert_eq!(reserved(&a), (0, 0));
+        // Another directory: the old one's cached blocks go.
+        let other = tmpfs_dir();
+        a.configure(&settings(Some(d.path().into()), 1 << 30, 1 << 30));
+        let x = a.alloc(page).unwrap();
+        a.free(x);
+        a.configure(&settings(Some(other.path().into()), 1 << 30, 1 << 30));
+        assert_eq!(entries(d.path()), 0);
+        // A block of the old directory freed now is not kept either.
+        let x = a.alloc(page).unwrap();
+        a.configure(&settings(Some(d.path().into()), 1 << 30, 1 << 30));
+        a.free(x);
+        assert_eq!(entries(other.path()), 0);
+        // Dropping the arena releases what it cached.
+        let y = a.alloc(page).unwrap();
+        a.free(y);
+        assert_eq!(entries(d.path()), 1);
+        drop(a);
+        assert_eq!(entries(d.path()), 0);
+    }
+
+    #[test]
+    fn many_threads_reuse_cached_blocks() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = std::sync::Arc::new(cached_arena(d.path(), page, 64 * page, 16 * page));
+        let handles: Vec<_> = (0..8)
+            .map(|t| {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    for i in 0..300 {
+                        let len = page * (1 + (i + t) % 4) - (i % 3);
+                        let got = if i % 2 == 0 {
+                            a.alloc(len)
+                        } else {
+                            a.alloc_zeroed(len)
+                        };
+                        if let Some(addr) = got {
+                            let data = unsafe { bytes(addr, len) };
+                            if i % 2 == 1 {
+                                assert!(data.iter().all(|&b| b == 0));
+                            }
+                            data.fill(t as u8 + 1);
+                            let info = a.lookup(addr).unwrap();
+                            assert_eq!(info.len, len);
+                            assert_eq!(
+                                fs::metadata(&info.path).unwrap().len() as usize,
+                                page + len
+                            );
+                            assert!(data.iter().all(|&b| b == t as u8 + 1));
+                            assert!(a.free(addr));
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().for_each(|h| h.join().unwrap());
+        let s = a.stats();
+        assert_eq!((s.blocks, s.bytes), (0, 0));
+        assert_eq!(s.allocated, s.freed);
+        assert!(s.reused > 0);
+        assert!(s.cached_bytes <= 16 * page);
+        assert_eq!(lock(&a.state).bytes, s.cached_bytes);
+        assert_eq!(entries(d.path()), s.cached_blocks);
+        a.release_cache();
+        assert_eq!(entries(d.path()), 0);
+        assert_eq!(reserved(&a), (0, 0));
+    }
+
+    #[test]
+    fn a_forked_child_never_reuses_unlinks_or_serves_the_parents_blocks() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 1 << 30, 1 << 30);
+        let len = 4 * page;
+        let x = a.alloc(len).unwrap();
+        unsafe { bytes(x, len).fill(1) };
+        let x_path = a.lookup(x).unwrap().path;
+        let y = a.alloc(len).unwrap();
+        let y_path = a.lookup(y).unwrap().path;
+        a.free(y);
+        assert_eq!(a.stats().cached_blocks, 1);
+        // SAFETY: the child only runs the code below and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let code = (|| {
+                if a.alloc(len).is_some() || a.alloc_zeroed(len).is_some() {
+                    return 1;
+                }
+                if a.seal(x, len, b"H").is_ok() || a.disown(x, &x_path).is_ok() {
+                    return 2;
+                }
+                if a.realloc(x, 2 * len) != (Realloc::CopyOut { copy: len }) {
+                    return 3;
+                }
+                // Freeing an inherited block neither caches nor unlinks it.
+                if !a.free(x) || !x_path.exists() || a.stats().cached_blocks != 1 {
+                    return 4;
+                }
+                a.release_cache();
+                if !y_path.exists() {
+                    return 5;
+                }
+                a.configure(&Settings {
+                    directory: None,
+                    threshold: page,
+                    budget: 0,
+                    max_blocks: 0,
+                    reserve: true,
+                    cache: 0,
+                });
+                if !x_path.exists() || !y_path.exists() {
+                    return 6;
+                }
+                0
+            })();
+            // SAFETY: leave the forked child without running the harness.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status));
+        assert_eq!(libc::WEXITSTATUS(status), 0);
+        assert!(unsafe { bytes(x, len) }.iter().all(|&b| b == 1));
+        assert_eq!(a.alloc(len), Some(y));
+        assert_eq!(a.stats().reused, 1);
+        a.free(x);
+        a.free(y);
     }
 }

@@ -16,7 +16,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::born::{Arena, Realloc, Settings};
+use crate::born::{default_cache, Arena, Realloc, Settings};
 
 /// The arena every born-shared allocation of this process comes from.
 pub static ARENA: Arena = Arena::new();
@@ -80,9 +80,9 @@ unsafe extern "C" fn born_malloc(_ctx: *mut c_void, size: usize) -> *mut c_void 
 }
 
 unsafe extern "C" fn born_calloc(_ctx: *mut c_void, nelem: usize, elsize: usize) -> *mut c_void {
-    // A fresh tmpfs file reads as zeros: nothing to clear.
+    // A fresh tmpfs file reads as zeros; a cached block is cleared.
     if let Some(size) = nelem.checked_mul(elsize) {
-        if let Some(addr) = ARENA.alloc(size) {
+        if let Some(addr) = ARENA.alloc_zeroed(size) {
             return addr as *mut c_void;
         }
     }
@@ -220,16 +220,20 @@ fn our_handler(py: Python<'_>) -> PyResult<&'static Handler> {
 
 /// Configure the process-wide arena: blocks of at least ``threshold`` bytes
 /// go to files in ``directory`` (an existing 0700 directory on a tmpfs), up to
-/// ``budget`` mapped bytes and ``max_blocks`` mappings; ``directory=None``
-/// turns new born-shared allocations off (live ones stay valid).
+/// ``budget`` mapped bytes and ``max_blocks`` mappings, keeping up to
+/// ``cache`` bytes of freed blocks for reuse (None: a quarter of the budget,
+/// at most 256 MiB); ``directory=None`` turns new born-shared allocations off
+/// (live ones stay valid) and releases the cache.
 #[pyfunction]
-#[pyo3(signature = (directory, threshold, budget, max_blocks, reserve=true))]
+#[pyo3(signature = (directory, threshold, budget, max_blocks, reserve=true, cache=None))]
 pub fn born_configure(
+    py: Python<'_>,
     directory: Option<PathBuf>,
     threshold: usize,
     budget: usize,
     max_blocks: usize,
     reserve: bool,
+    cache: Option<usize>,
 ) -> PyResult<()> {
     if let Some(d) = &directory {
         if !d.is_dir() {
@@ -239,14 +243,24 @@ pub fn born_configure(
             )));
         }
     }
-    ARENA.configure(&Settings {
+    let settings = Settings {
         directory,
         threshold,
         budget,
         max_blocks,
         reserve,
-    });
+        cache: cache.unwrap_or_else(|| default_cache(budget)),
+    };
+    // Evicting cached blocks unmaps and unlinks files: no GIL needed.
+    py.detach(|| ARENA.configure(&settings));
     Ok(())
+}
+
+/// Unmap and unlink every cached (freed, kept for reuse) block; returns the
+/// bytes released.
+#[pyfunction]
+pub fn born_release_cache(py: Python<'_>) -> usize {
+    py.detach(|| ARENA.release_cache())
 }
 
 /// A ``mem_handler`` capsule for numpy's data-memory API that serves large
@@ -356,8 +370,9 @@ pub fn born_header_size() -> usize {
     ARENA.header_size()
 }
 
-/// Arena counters: blocks, bytes, owned_bytes, allocated, freed, sealed, refused_budget,
-/// refused_blocks, refused_error, threshold, directory.
+/// Arena counters: blocks, bytes, owned_bytes, cached_blocks, cached_bytes,
+/// allocated, reused, freed, evicted, sealed, refused_budget, refused_blocks,
+/// refused_error, threshold, directory.
 #[pyfunction]
 pub fn born_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let s = ARENA.stats();
@@ -365,8 +380,12 @@ pub fn born_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("blocks", s.blocks)?;
     d.set_item("bytes", s.bytes)?;
     d.set_item("owned_bytes", s.owned_bytes)?;
+    d.set_item("cached_blocks", s.cached_blocks)?;
+    d.set_item("cached_bytes", s.cached_bytes)?;
     d.set_item("allocated", s.allocated)?;
+    d.set_item("reused", s.reused)?;
     d.set_item("freed", s.freed)?;
+    d.set_item("evicted", s.evicted)?;
     d.set_item("sealed", s.sealed)?;
     d.set_item("refused_budget", s.refused_budget)?;
     d.set_item("refused_blocks", s.refused_blocks)?;

@@ -55,6 +55,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(born_py::born_disown, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_header_size, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(born_py::born_release_cache, m)?)?;
     m.add(
         "ForgedHandleError",
         m.py().get_type::<errors::ForgedHandleError>(),

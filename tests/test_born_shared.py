@@ -79,16 +79,94 @@ def test_large_allocations_come_from_files_small_ones_do_not(arena: str) -> None
     assert born.whole_block(big) == block
 
 
-def test_free_unmaps_and_unlinks(arena: str) -> None:
+def test_free_keeps_blocks_for_reuse_until_released(arena: str) -> None:
     with born.allocating():
         arrays = [np.full(MiB, i, dtype=np.uint8) for i in range(5)]
     assert len(files(arena)) == 5
     before = born.stats()
     del arrays
-    assert files(arena) == []
     after = born.stats()
-    assert after["blocks"] == 0 and after["bytes"] == 0
+    assert after["blocks"] == 0 and after["bytes"] == 0 and after["owned_bytes"] == 0
     assert after["freed"] - before["freed"] == 5
+    # Kept, files and mappings intact, and still the arena's own memory.
+    assert len(files(arena)) == 5
+    assert after["cached_blocks"] == 5 and after["cached_bytes"] == 5 * MiB
+    assert born.own_bytes() == 5 * MiB
+    assert born.release_cache() == 5 * MiB
+    assert files(arena) == []
+    s = born.stats()
+    assert s["cached_blocks"] == 0 and s["cached_bytes"] == 0
+    assert s["evicted"] - after["evicted"] == 5
+
+
+def test_free_unmaps_and_unlinks_without_a_cache(arena: str) -> None:
+    born.start(arena, threshold=MiB, budget=256 * MiB, cache=0)
+    with born.allocating():
+        arrays = [np.full(MiB, i, dtype=np.uint8) for i in range(5)]
+    assert len(files(arena)) == 5
+    del arrays
+    assert files(arena) == []
+    assert born.stats()["cached_blocks"] == 0
+
+
+def test_a_fresh_array_reuses_a_freed_block_of_the_same_size(arena: str, shm_dir: str) -> None:
+    with born.allocating():
+        x = np.full(2 * MiB // 8, 1.0)
+        first = born.whole_block(x)
+        del x
+        before = born.stats()
+        y = np.full(2 * MiB // 8, 2.0)
+        z = np.zeros(2 * MiB // 8)  # a fresh block: the cached one is taken
+        del y
+        zeros = np.zeros(2 * MiB // 8)  # y's block, cleared
+        odd = np.full(MiB + 8, 3, dtype=np.uint8)  # another size: a new block
+    assert first is not None
+    assert born.whole_block(zeros) is not None
+    assert born.whole_block(zeros).path == first.path
+    assert not zeros.any() and not z.any()
+    assert (odd == 3).all()
+    after = born.stats()
+    assert after["reused"] - before["reused"] == 2
+    assert after["allocated"] - before["allocated"] == 4
+    assert len(files(arena)) == 3
+    # The reused block is still an exact spill file for its new array.
+    st = os.stat(first.path)
+    assert st.st_size == born.header_size() + 2 * MiB and st.st_nlink == 1
+    zeros[:] = 7.0
+    header, _ = serialize_unsplit(zeros)
+    path = born.seal(zeros, header)
+    assert path == first.path
+    out = frames_to_object(read_peer_file(shm_dir, path, st.st_size))
+    np.testing.assert_array_equal(out, np.full(2 * MiB // 8, 7.0))
+
+
+def test_a_block_sealed_or_exported_while_in_use_is_never_reused(
+    arena: str, shm_dir: str, tmp_path: Any
+) -> None:
+    store = _store(shm_dir, tmp_path)
+    with born.allocating():
+        a = np.full(MiB // 4, 1.0)  # adopted by a store
+        b = np.full(MiB // 4, 2.0)  # sealed and linked by a "peer"
+        c = np.full(MiB // 4, 3.0)  # sealed only
+    store["a"] = a
+    assert not born.whole_block(a).owned
+    path_b = born.seal(b, serialize_unsplit(b)[0])
+    peer = os.path.join(paths.user_root(shm_dir), "peer-b")
+    os.link(path_b, peer)
+    assert born.seal(c, serialize_unsplit(c)[0]) is not None
+    before = born.stats()
+    del a, b, c
+    after = born.stats()
+    assert after["cached_blocks"] == before["cached_blocks"]
+    with born.allocating():
+        fresh = [np.full(MiB // 4, 9.0) for _ in range(3)]
+    assert born.stats()["reused"] == after["reused"]
+    assert all(born.whole_block(x) is not None for x in fresh)
+    np.testing.assert_array_equal(store["a"], np.full(MiB // 4, 1.0))
+    size = os.stat(peer).st_size
+    np.testing.assert_array_equal(
+        frames_to_object(read_peer_file(shm_dir, peer, size)), np.full(MiB // 4, 2.0)
+    )
 
 
 def test_calloc_reads_zeros(arena: str) -> None:
@@ -113,6 +191,8 @@ def test_realloc_keeps_bytes_and_block(arena: str) -> None:
         b = np.arange(1000, dtype=np.float64)
         b.resize(2 * MiB // 8, refcheck=False)  # ordinary memory stays ordinary
         assert (b[:1000] == np.arange(1000)).all()
+    assert born.stats()["blocks"] == 0
+    born.release_cache()
     assert files(arena) == []
     del a, b
 
@@ -300,6 +380,9 @@ def test_many_threads(arena: str) -> None:
     assert sum(counts) > 0
     s = born.stats()
     assert s["blocks"] == 0 and s["bytes"] == 0
+    assert s["reused"] > 0
+    assert len(files(arena)) == s["cached_blocks"]
+    born.stop()  # releases the cache
     assert files(arena) == []
 
 
@@ -493,6 +576,47 @@ def test_cluster_hands_a_born_array_over_without_copying_it() -> None:
         assert reports[a]["stats"]["owned_bytes"] == 0
         assert reports[a]["handler"] == "default_allocator"  # outside tasks: untouched
         client.cancel([x, total])
+
+
+def _churn(nbytes: int) -> float:
+    """Allocate and free a born array, leaving its block in the cache."""
+    x = np.full(nbytes // 8, 1.0)
+    assert born.whole_block(x) is not None, "not born shared"
+    return float(x.sum())
+
+
+def _memory_report(dask_worker: Any) -> dict[str, Any]:
+    """The worker's memory figure with its private part taken out, then what
+    one memory-pressure eviction releases."""
+    plugin = dask_worker.plugins["dask-shm-born-shared"]
+    private = plugin._monitor
+    plugin._monitor = lambda: 0
+    try:
+        figure = dask_worker.monitor.get_process_memory()
+    finally:
+        plugin._monitor = private
+    stats = born.stats()
+    released = dask_worker.data.evict()
+    return {"figure": figure, "stats": stats, "released": released, "after": born.stats()}
+
+
+def test_worker_memory_counts_cached_blocks_and_pressure_releases_them() -> None:
+    from dask_shm import SharedMemoryPlugin
+
+    with process_cluster(1, "2GiB") as client:
+        client.register_plugin(SharedMemoryPlugin())
+        client.register_plugin(born_worker.BornSharedPlugin(born_worker.BornSettings(mode=True)))
+        assert client.submit(_churn, 32 * MiB, pure=False).result() == 4 * MiB
+        assert client.submit(_churn, 32 * MiB, pure=False).result() == 4 * MiB
+        (report,) = client.run(_memory_report).values()
+        stats = report["stats"]
+        assert stats["reused"] >= 1
+        assert stats["cached_bytes"] >= 32 * MiB
+        # Cached blocks are the worker's own memory: the figure adds them back.
+        assert report["figure"] == stats["owned_bytes"] + stats["cached_bytes"]
+        # Memory pressure (the memory manager's evict) releases them first.
+        assert report["released"] == stats["cached_bytes"]
+        assert report["after"]["cached_bytes"] == 0
 
 
 def test_shared_memory_plugin_turns_it_on_from_config() -> None:

@@ -314,12 +314,18 @@ def born_configure(
     budget: int,
     max_blocks: int,
     reserve: bool = True,
+    cache: int | None = None,
 ) -> None:
     """Configure the process-wide arena: allocations of at least ``threshold``
     bytes become files in ``directory`` (0700, on a tmpfs), up to ``budget``
-    mapped bytes and ``max_blocks`` mappings; ``None`` stops new blocks.
-    ``reserve`` fallocates each block's pages when made. Raises ValueError if
-    the directory does not exist."""
+    mapped bytes and ``max_blocks`` mappings (cached blocks included);
+    ``None`` stops new blocks and releases the free cache. ``reserve``
+    fallocates each block's pages when made. ``cache``: most bytes of freed
+    blocks kept for reuse (None: a quarter of the budget, at most 256 MiB).
+    Raises ValueError if the directory does not exist."""
+
+def born_release_cache() -> int:
+    """Unmap and unlink every cached block; returns the bytes released."""
 
 def born_handler() -> Any:
     """numpy ``mem_handler`` capsule serving large allocations from the arena

@@ -9,6 +9,15 @@ handler that was current before (numpy's default). numpy chooses its handler
 per context (a contextvar), so :func:`allocating` turns it on only for the
 code it wraps.
 
+A freed block that nobody else can see (never sealed or handed over, its
+file linked only by the arena) is kept, file and mapping intact, in a
+bounded free cache, and the next allocation of the same size takes it back:
+a steady workload creates no new files and faults no new tmpfs pages in
+(fresh 4 KiB tmpfs pages cost ~3x what ordinary memory does). Cached blocks
+still count against the budget and as the process's own memory
+(``stats()["cached_bytes"]``); they go beyond the cache's cap, when a fresh
+block needs their budget, on :func:`stop` and :func:`release_cache`.
+
 Each block's file has one page in front of the array's bytes. :func:`seal`
 writes a spill-file header there (the format of ``rust/format.rs``, the
 header frame padded so the array's frame starts exactly at that page) and
@@ -35,6 +44,8 @@ from dask_shm import _core
 
 #: Smallest allocation served from a file unless configured otherwise.
 DEFAULT_THRESHOLD = 1 << 20
+#: Largest default free cache (see :func:`default_cache`).
+DEFAULT_CACHE_MAX = 256 << 20
 # rust/format.rs: magic, u32 frame count, u64 per frame length; frames of
 # FRAME_ALIGN_MIN_LEN bytes or more start on a FRAME_ALIGNMENT boundary.
 _MAGIC = b"DSK2"
@@ -62,31 +73,56 @@ def start(
     budget: int,
     max_blocks: int | None = None,
     reserve: bool = True,
+    cache: int | None = None,
 ) -> None:
     """Serve allocations of ``threshold`` bytes or more from files in
     ``directory`` (existing, 0700, on a tmpfs), up to ``budget`` bytes and
     ``max_blocks`` blocks (default: a quarter of ``vm.max_map_count``) at
-    once. ``reserve`` allocates each block's tmpfs pages when it is made
-    (``fallocate``), so a full tmpfs makes the allocation fall back to
-    ordinary memory instead of killing the process with SIGBUS later.
+    once, cached blocks included. ``reserve`` allocates each block's tmpfs
+    pages when it is made (``fallocate``), so a full tmpfs makes the
+    allocation fall back to ordinary memory instead of killing the process
+    with SIGBUS later. ``cache``: most bytes of freed blocks kept for reuse
+    (default :func:`default_cache` of the budget; 0 turns reuse off).
     Only code inside :func:`allocating` uses the arena. Raises ValueError if
     ``directory`` does not exist."""
     if max_blocks is None:
         max_blocks = default_max_blocks()
-    _core.born_configure(directory, threshold, budget, max_blocks, reserve)
+    _core.born_configure(directory, threshold, budget, max_blocks, reserve, cache)
+
+
+def default_cache(budget: int) -> int:
+    """The free cache's default cap: a quarter of the budget, at most 256 MiB."""
+    return min(budget // 4, DEFAULT_CACHE_MAX)
 
 
 def stop() -> None:
-    """Serve no new blocks; arrays already born shared stay valid."""
+    """Serve no new blocks and release the free cache; arrays already born
+    shared stay valid."""
     _core.born_configure(None, DEFAULT_THRESHOLD, 0, 0)
 
 
+def release_cache() -> int:
+    """Unmap and unlink every cached (freed, kept for reuse) block; returns
+    the bytes released."""
+    return _core.born_release_cache()
+
+
 def stats() -> dict[str, Any]:
-    """Arena counters: ``blocks``, ``bytes`` (mapped), ``owned_bytes`` (files
-    only the arena holds: memory nobody else accounts for), ``allocated``,
-    ``freed``, ``sealed``, ``refused_budget``, ``refused_blocks``,
-    ``refused_error``, ``threshold`` and ``directory`` (None when stopped)."""
+    """Arena counters: ``blocks``, ``bytes`` (mapped), ``owned_bytes`` (live
+    blocks whose files only the arena holds), ``cached_blocks`` and
+    ``cached_bytes`` (freed blocks kept for reuse; also memory nobody else
+    accounts for), ``allocated`` (``reused`` of them from the cache),
+    ``freed``, ``evicted`` (cached blocks released), ``sealed``,
+    ``refused_budget``, ``refused_blocks``, ``refused_error``, ``threshold``
+    and ``directory`` (None when stopped)."""
     return _core.born_stats()
+
+
+def own_bytes() -> int:
+    """Bytes of tmpfs pages only the arena holds, live or cached: what a
+    memory monitor that leaves shared pages out must add back."""
+    s = _core.born_stats()
+    return int(s["owned_bytes"]) + int(s["cached_bytes"])
 
 
 @contextlib.contextmanager

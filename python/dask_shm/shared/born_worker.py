@@ -4,8 +4,10 @@ every task through the arena (:mod:`.born`).
 
 Whether it pays off depends on the tmpfs: fresh tmpfs pages fault in 4 KiB
 units unless the file system serves huge pages, while numpy's ordinary large
-allocations get transparent huge pages. See :func:`huge_pages` and the
-README ("Arrays born shared").
+allocations get transparent huge pages. Freed blocks are reused (no fresh
+pages), but an array handed to a peer or spilled leaves the arena, and the
+one made next is a fresh file. See :func:`huge_pages` and the README
+("Arrays born shared").
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_shm import _core
 from dask_shm.shared import born, paths
-from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, stats
+from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, own_bytes
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -73,8 +75,9 @@ class BornSettings:
     - ``born-shared``: ``auto`` (on when the root serves huge pages, see
       :func:`huge_pages`), ``true`` or ``false``;
     - ``born-threshold``: smallest allocation served from a file (1 MiB);
-    - ``born-budget``: most bytes in blocks at once per worker; ``auto`` is
-      the worker's memory limit, capped at half the root's free space.
+    - ``born-budget``: most bytes in blocks at once per worker, freed blocks
+      kept for reuse included; ``auto`` is the worker's memory limit, capped
+      at half the root's free space.
     """
 
     mode: bool | Literal["auto"] = "auto"
@@ -189,7 +192,8 @@ class BornSharedPlugin(WorkerPlugin):
     directory in this process's directory on the root (removed on teardown;
     one left by a killed worker goes with its process directory). Their
     bytes count as the worker's own memory (the monitor ignores shared pages,
-    so they are added back) until a store adopts them.
+    so they are added back) until a store adopts them, and so do freed blocks
+    the arena keeps for reuse (``cached_bytes``).
 
     Raises ValueError at setup for an invalid config value.
     """
@@ -214,9 +218,9 @@ class BornSharedPlugin(WorkerPlugin):
         if not settings.enabled_for(root):
             logger.info(
                 "dask-shm: arrays born shared stay off: %s serves no huge pages, and "
-                "fresh 4 KiB tmpfs pages make numpy slower than ordinary memory "
-                "(mount the root with huge=within_size, or set "
-                "shm.shared-memory.born-shared: true)",
+                "arrays made for peers or spilled would fault fresh 4 KiB tmpfs pages "
+                "in, slower than ordinary memory (mount the root with "
+                "huge=within_size, or set shm.shared-memory.born-shared: true)",
                 root,
             )
             return
@@ -239,9 +243,19 @@ class BornSharedPlugin(WorkerPlugin):
         self._monitor = worker.monitor.get_process_memory
 
         def process_memory() -> int:
-            return self._monitor() + stats()["owned_bytes"]
+            return self._monitor() + own_bytes()
 
         worker.monitor.get_process_memory = process_memory  # type: ignore[method-assign]
+        self._buffer = buffer
+        evict_key = buffer.evict
+
+        def evict() -> int:
+            # Under memory pressure the cached blocks go first: releasing
+            # them writes nothing, and spilling a key would not free them.
+            released = born.release_cache()
+            return released if released else evict_key()
+
+        buffer.evict = evict  # type: ignore[method-assign]
         logger.info(
             "dask-shm: arrays of %s bytes or more born shared on %s (%s)",
             settings.threshold,
@@ -255,4 +269,5 @@ class BornSharedPlugin(WorkerPlugin):
             return
         uninstall_from_worker(worker)
         worker.monitor.get_process_memory = self._monitor  # type: ignore[method-assign]
+        self._buffer.__dict__.pop("evict", None)  # the class's method shows again
         shutil.rmtree(directory, ignore_errors=True)
