@@ -126,6 +126,73 @@ pub fn excess_replicas(n_holders: i64, keep: i64, pending_repl: i64, pending_dro
     n_holders - keep + pending_repl - pending_drop
 }
 
+/// A measure of `distributed.scheduler.MemoryState`, the per-worker figure
+/// the AMM compares (`distributed.scheduler.active-memory-manager.measure`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    Process,
+    Managed,
+    Spilled,
+    UnmanagedOld,
+    ManagedTotal,
+    Unmanaged,
+    UnmanagedRecent,
+    Optimistic,
+}
+
+impl Measure {
+    /// The measure named like the `MemoryState` attribute; None if unknown.
+    pub fn from_name(name: &str) -> Option<Measure> {
+        Some(match name {
+            "process" => Measure::Process,
+            "managed" => Measure::Managed,
+            "spilled" => Measure::Spilled,
+            "unmanaged_old" => Measure::UnmanagedOld,
+            "managed_total" => Measure::ManagedTotal,
+            "unmanaged" => Measure::Unmanaged,
+            "unmanaged_recent" => Measure::UnmanagedRecent,
+            "optimistic" => Measure::Optimistic,
+            _ => return None,
+        })
+    }
+}
+
+/// What `WorkerState.memory` is computed from: `metrics["memory"]`,
+/// `nbytes`, `metrics["spilled_bytes"]["memory"]` / `["disk"]` and
+/// `_memory_unmanaged_old`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryInputs {
+    pub process: i64,
+    pub nbytes: i64,
+    pub spilled_memory: i64,
+    pub spilled_disk: i64,
+    pub unmanaged_old: i64,
+}
+
+/// `getattr(ws.memory, measure)` as `distributed` computes it
+/// (`WorkerState.memory` builds a `MemoryState`, which clamps managed memory
+/// to the process memory and old unmanaged memory to what is left). None if
+/// an intermediate overflows i64 (the caller then asks Python).
+pub fn memory_measure(measure: Measure, m: &MemoryInputs) -> Option<i64> {
+    let managed = m
+        .nbytes
+        .checked_sub(m.spilled_memory)?
+        .max(0)
+        .min(m.process);
+    let unmanaged = m.process.checked_sub(managed)?;
+    let unmanaged_old = m.unmanaged_old.min(unmanaged);
+    match measure {
+        Measure::Process => Some(m.process),
+        Measure::Managed => Some(managed),
+        Measure::Spilled => Some(m.spilled_disk),
+        Measure::UnmanagedOld => Some(unmanaged_old),
+        Measure::ManagedTotal => managed.checked_add(m.spilled_disk),
+        Measure::Unmanaged => Some(unmanaged),
+        Measure::UnmanagedRecent => unmanaged.checked_sub(unmanaged_old),
+        Measure::Optimistic => managed.checked_add(unmanaged_old),
+    }
+}
+
 // Scratch flag bits, set for the duration of one query and cleared after it.
 const HOLDER: u8 = 2;
 const CANDIDATE: u8 = 4;
@@ -958,5 +1025,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn memory_measure_clamps_as_memory_state() {
+        let m = |process, nbytes, spilled_memory, spilled_disk, unmanaged_old| MemoryInputs {
+            process,
+            nbytes,
+            spilled_memory,
+            spilled_disk,
+            unmanaged_old,
+        };
+        let all = |i: &MemoryInputs| {
+            [
+                "process",
+                "managed",
+                "spilled",
+                "unmanaged_old",
+                "managed_total",
+                "unmanaged",
+                "unmanaged_recent",
+                "optimistic",
+            ]
+            .map(|n| memory_measure(Measure::from_name(n).unwrap(), i).unwrap())
+        };
+        // process 100, managed 30, old unmanaged 20, spilled 7.
+        assert_eq!(
+            all(&m(100, 40, 10, 7, 20)),
+            [100, 30, 7, 20, 37, 70, 50, 50]
+        );
+        // managed above process is clamped to it; old unmanaged to what is left.
+        assert_eq!(all(&m(50, 80, 0, 0, 20)), [50, 50, 0, 0, 50, 0, 0, 50]);
+        // spilled-in-memory above nbytes: managed 0; old unmanaged up to process.
+        assert_eq!(all(&m(10, 5, 9, 1, 99)), [10, 0, 1, 10, 1, 10, 0, 10]);
+        assert_eq!(Measure::from_name("rss"), None);
+        assert_eq!(
+            memory_measure(Measure::Process, &m(0, i64::MIN, 1, 0, 0)),
+            None
+        );
     }
 }

@@ -20,9 +20,11 @@ use std::hash::{BuildHasherDefault, Hasher};
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySet, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PySet, PyTuple};
 
-use crate::amm::{self, DropRequest, Reject, RetireOutcome, RetireRequest, WorkerTable};
+use crate::amm::{
+    self, DropRequest, Measure, MemoryInputs, Reject, RetireOutcome, RetireRequest, WorkerTable,
+};
 use crate::py_amm_tracker::ReplicaTracker;
 
 /// Hasher for object addresses: one multiply (addresses are already unique).
@@ -122,6 +124,52 @@ pub(crate) fn keep_for(desired: i64, waiters: &Bound<'_, PyAny>) -> PyResult<i64
 #[pyo3(signature = (desired, waiters))]
 pub fn replicas_to_keep(desired: i64, waiters: &Bound<'_, PyAny>) -> PyResult<i64> {
     keep_for(desired, waiters)
+}
+
+/// `obj` as an i64 if it is exactly an int that fits (anything else: None).
+fn exact_i64(obj: &Bound<'_, PyAny>) -> Option<i64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        obj.extract().ok()
+    } else {
+        None
+    }
+}
+
+/// `dict[key]` of an exact dict, as an exact int; None otherwise.
+fn item_i64(dict: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>) -> Option<i64> {
+    exact_i64(&dict.get_item(key).ok()??)
+}
+
+/// What `WorkerState.memory` is computed from, read from a worker whose
+/// `metrics` and `metrics["spilled_bytes"]` are exact dicts and whose figures
+/// are exact ints; None for anything else (the caller then asks Python, which
+/// also raises what stock raises, e.g. KeyError for a worker without metrics).
+fn memory_inputs(ws: &Bound<'_, PyAny>) -> Option<MemoryInputs> {
+    let py = ws.py();
+    let metrics = ws.getattr(intern!(py, "metrics")).ok()?;
+    let metrics = metrics.cast_exact::<PyDict>().ok()?;
+    let spilled = metrics.get_item(intern!(py, "spilled_bytes")).ok()??;
+    let spilled = spilled.cast_exact::<PyDict>().ok()?;
+    Some(MemoryInputs {
+        process: item_i64(metrics, intern!(py, "memory"))?,
+        nbytes: exact_i64(&ws.getattr(intern!(py, "nbytes")).ok()?)?,
+        spilled_memory: item_i64(spilled, intern!(py, "memory"))?,
+        spilled_disk: item_i64(spilled, intern!(py, "disk"))?,
+        unmanaged_old: exact_i64(&ws.getattr(intern!(py, "_memory_unmanaged_old")).ok()?)?,
+    })
+}
+
+/// `getattr(ws.memory, measure)`, computed in Rust (`amm::memory_measure`)
+/// when `formula` holds and the inputs are plain, else by Python.
+fn worker_memory(ws: &Bound<'_, PyAny>, measure: &str, formula: Option<Measure>) -> PyResult<i64> {
+    if let Some(m) = formula {
+        if let Some(v) = memory_inputs(ws).and_then(|i| amm::memory_measure(m, &i)) {
+            return Ok(v);
+        }
+    }
+    ws.getattr(intern!(ws.py(), "memory"))?
+        .getattr(measure)?
+        .extract()
 }
 
 /// `{code: message}` of every rejection (see `amm::Reject`).
@@ -425,6 +473,43 @@ impl AmmRun {
             deferred_tasks: 0,
             buffers: (Vec::new(), Vec::new()),
         })
+    }
+
+    /// The run over `workers` (the scheduler's workers, in order) as they
+    /// are now, read in one pass: memory is `getattr(ws.memory, measure)`,
+    /// running is `ws.status == status_running`, eligible is `ws in running`.
+    /// With `worker_type`, the memory of workers of exactly that type is
+    /// computed in Rust from the inputs of `WorkerState.memory` (the caller
+    /// checks that the formula still matches `distributed`'s); other workers,
+    /// and unusual inputs, are asked from Python.
+    #[staticmethod]
+    #[pyo3(signature = (workers, running, status_running, measure, worker_type=None))]
+    fn read_workers(
+        workers: &Bound<'_, PyAny>,
+        running: &Bound<'_, PyAny>,
+        status_running: &Bound<'_, PyAny>,
+        measure: &str,
+        worker_type: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let formula = worker_type.and(Measure::from_name(measure));
+        let mut in_running: AddrMap<()> = AddrMap::default();
+        for ws in running.try_iter()? {
+            in_running.insert(ws?.as_ptr() as usize, ());
+        }
+        let mut list = Vec::new();
+        let (mut memory, mut is_running, mut eligible) = (Vec::new(), Vec::new(), Vec::new());
+        for ws in workers.try_iter()? {
+            let ws = ws?;
+            let exact = worker_type.is_some_and(|t| ws.get_type().is(t));
+            memory.push(worker_memory(&ws, measure, formula.filter(|_| exact))?);
+            let status = ws.getattr(intern!(ws.py(), "status"))?;
+            is_running.push(status.is(status_running) || status.eq(status_running)?);
+            // Identity first; `in` (hash and __eq__) only for the others.
+            eligible
+                .push(in_running.contains_key(&(ws.as_ptr() as usize)) || running.contains(&ws)?);
+            list.push(ws);
+        }
+        Self::new(list, memory, is_running, eligible)
     }
 
     fn __len__(&self) -> usize {

@@ -15,11 +15,14 @@ from typing import Any
 
 import distributed.active_memory_manager as stock
 import pytest
-from amm_state import FakeScheduler, random_state
+from amm_state import STATUSES, FakeScheduler, random_state
 from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
 from distributed.core import Status
+from distributed.scheduler import WorkerState
 
 import dask_shm.amm as ours
+from dask_shm._core import AmmRun
+from dask_shm.amm.extension import MEASURES, memory_formula_matches
 
 
 class OrderedPolicies(MutableSet):
@@ -220,6 +223,54 @@ def test_bad_measure_names_key() -> None:
         ours.ActiveMemoryManagerExtension(
             FakeScheduler(), policies=set(), register=False, start=False, measure="nope"
         )
+
+
+class _Int(int):
+    pass
+
+
+class _Dict(dict):
+    pass
+
+
+@pytest.mark.parametrize("measure", MEASURES)
+def test_worker_memory_read_in_rust_is_stocks(measure: str) -> None:
+    """``AmmRun.read_workers`` computes ``getattr(ws.memory, measure)`` in Rust: the
+    same figure as stock for every clamp of ``MemoryState``, and for inputs it leaves
+    to Python (an int subclass, a bool, a dict subclass, a huge int)."""
+    assert memory_formula_matches()
+    rng = random.Random(measure)
+    s = FakeScheduler()
+    for i in range(300):
+        ws = s.add_worker(f"w{i}", 0, rng.choice(STATUSES))
+        big = rng.choice([10, 1 << 20, 1 << 40])
+        ws.metrics = {
+            "memory": rng.randrange(big),
+            "spilled_bytes": {"memory": rng.randrange(big), "disk": rng.randrange(big)},
+        }
+        ws.nbytes = rng.randrange(big)
+        ws._memory_unmanaged_old = rng.randrange(big)
+    odd = list(s.workers.values())[:5]
+    odd[0].metrics["memory"] = _Int(7)
+    odd[1].metrics["spilled_bytes"]["disk"] = True
+    odd[2].metrics = _Dict(odd[2].metrics)
+    odd[3].metrics["spilled_bytes"] = _Dict(memory=1, disk=2)
+    odd[4].nbytes = 1 << 62
+    odd[4].metrics["spilled_bytes"]["memory"] = -(1 << 62)
+    run = AmmRun.read_workers(s.workers.values(), s.running, Status.running, measure, WorkerState)
+    for ws in s.workers.values():
+        assert run.memory(ws) == getattr(ws.memory, measure), ws
+        assert (ws in run) and (ws in s.running) == (ws.status == Status.running)
+
+
+def test_worker_without_metrics_raises_as_stock() -> None:
+    """A worker whose memory stock cannot read (no heartbeat metrics) fails the run in
+    both managers with the same KeyError."""
+    s = FakeScheduler()
+    s.add_worker("a", 1).metrics = {}
+    for cls in (stock.ActiveMemoryManagerExtension, ours.ActiveMemoryManagerExtension):
+        with pytest.raises(KeyError, match="memory"):
+            make(cls, s, [stock.ReduceReplicas()]).run_once()
 
 
 @pytest.mark.parametrize("seed", range(20))

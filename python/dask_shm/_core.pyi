@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension module ``dask_shm._core``."""
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from os import PathLike
 from typing import Any, final
 
@@ -204,6 +204,20 @@ class AmmRun:
         eligible: list[bool],
     ) -> None:
         """Raises ValueError if lengths differ or a worker is listed twice."""
+    @staticmethod
+    def read_workers(
+        workers: Iterable[Any],
+        running: Collection[Any],
+        status_running: Any,
+        measure: str,
+        worker_type: type | None = None,
+    ) -> AmmRun:
+        """The run over the scheduler's ``workers`` (in order) as they are now:
+        memory ``getattr(ws.memory, measure)``, running ``ws.status ==
+        status_running``, eligible ``ws in running``. With ``worker_type``, the
+        memory of workers of exactly that type is computed in Rust from what
+        ``WorkerState.memory`` reads (plain dicts and ints; anything else is asked
+        from Python)."""
     def __len__(self) -> int: ...
     def __contains__(self, ws: object) -> bool: ...
     @property
