@@ -19,10 +19,12 @@
 //! what the tracker keeps alive while the AMM is stopped) and a full scan that
 //! found more than `OVER_LIMIT` over-replicated tasks fall back to a full scan.
 
-use pyo3::exceptions::PyAssertionError;
+use std::sync::Mutex;
+
+use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple, PyWeakrefReference};
 
 use crate::amm::{self, DropRequest};
 use crate::py_amm::{AddrMap, AmmRun, Prepared};
@@ -367,4 +369,207 @@ fn check_against_full_scan(
         )));
     }
     Ok(())
+}
+
+/// The trackers of one scheduler, held weakly: what the scheduler hooks
+/// (`ReplicaHook`) and the transition plugin of `dask_shm.amm.tracking`
+/// report to. A tracker stops receiving changes when it is gone.
+#[pyclass(module = "dask_shm._core", frozen)]
+pub struct TrackerHub {
+    trackers: Mutex<Vec<Py<PyWeakrefReference>>>,
+}
+
+impl TrackerHub {
+    /// Call `f` on every live tracker (dead ones are forgotten).
+    fn each(
+        &self,
+        py: Python<'_>,
+        mut f: impl FnMut(&mut ReplicaTracker) -> PyResult<()>,
+    ) -> PyResult<()> {
+        // Live trackers are few (one per manager); collect them first so
+        // that no lock is held while a tracker works.
+        let live: Vec<Bound<'_, PyAny>> = {
+            let mut trackers = self.trackers.lock().unwrap_or_else(|e| e.into_inner());
+            let mut live = Vec::with_capacity(trackers.len());
+            trackers.retain(|r| match r.bind(py).upgrade() {
+                Some(t) => {
+                    live.push(t);
+                    true
+                }
+                None => false,
+            });
+            live
+        };
+        for t in live {
+            let mut tracker = t.cast::<ReplicaTracker>()?.try_borrow_mut()?;
+            f(&mut tracker)?;
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl TrackerHub {
+    #[new]
+    fn new() -> Self {
+        TrackerHub {
+            trackers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Send changes to `tracker` for as long as it lives.
+    fn add(&self, tracker: &Bound<'_, ReplicaTracker>) -> PyResult<()> {
+        let r = PyWeakrefReference::new(tracker.as_any())?.unbind();
+        self.trackers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(r);
+        Ok(())
+    }
+
+    /// Number of live trackers.
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        let mut n = 0;
+        self.each(py, |_| {
+            n += 1;
+            Ok(())
+        })?;
+        Ok(n)
+    }
+
+    /// `ReplicaTracker.touch` on every tracker.
+    fn touch(&self, ts: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.each(ts.py(), |t| {
+            t.touch(ts);
+            Ok(())
+        })
+    }
+
+    /// `ReplicaTracker.touch_removed` on every tracker.
+    fn touch_removed(&self, ts: &Bound<'_, PyAny>, ws: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.each(ts.py(), |t| {
+            t.touch_removed(ts, ws);
+            Ok(())
+        })
+    }
+
+    /// `ReplicaTracker.touch_dependencies` on every tracker.
+    fn touch_dependencies(&self, ts: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.each(ts.py(), |t| t.touch_dependencies(ts))
+    }
+}
+
+/// Which argument of the hooked scheduler method a `ReplicaHook` reports,
+/// and how.
+#[derive(Debug, Clone, Copy)]
+enum HookKind {
+    /// `add_replica(ts, ws)`, `remove_all_replicas(ts)`: `touch(ts)`.
+    Touch,
+    /// `remove_replica(ts, ws)`: `touch_removed(ts, ws)`.
+    Removed,
+    /// `send_task_to_worker(worker, ts)`: `touch_dependencies(ts)`.
+    Dependencies,
+}
+
+/// A scheduler method wrapped so that its call is reported to a
+/// `TrackerHub` first (then the original runs with the same arguments). In
+/// Rust because it runs on every replica change of the scheduler.
+#[pyclass(module = "dask_shm._core", frozen)]
+pub struct ReplicaHook {
+    kind: HookKind,
+    name: String,
+    original: Py<PyAny>,
+    hub: Py<TrackerHub>,
+}
+
+/// Argument `i` of a call, by position or by `name`; None if absent (the
+/// original then raises its own TypeError).
+fn argument<'py>(
+    args: &Bound<'py, PyTuple>,
+    kwargs: Option<&Bound<'py, PyDict>>,
+    i: usize,
+    name: &str,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if let Ok(a) = args.get_item(i) {
+        return Ok(Some(a));
+    }
+    match kwargs {
+        Some(k) => k.get_item(name),
+        None => Ok(None),
+    }
+}
+
+#[pymethods]
+impl ReplicaHook {
+    /// Wrap `original`, the scheduler's bound method `name` (one of
+    /// `add_replica`, `remove_replica`, `remove_all_replicas`,
+    /// `send_task_to_worker`), to report to `hub`.
+    #[new]
+    fn new(name: &str, original: Py<PyAny>, hub: Py<TrackerHub>) -> PyResult<Self> {
+        let kind = match name {
+            "add_replica" | "remove_all_replicas" => HookKind::Touch,
+            "remove_replica" => HookKind::Removed,
+            "send_task_to_worker" => HookKind::Dependencies,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "no replica hook for scheduler method {name:?}"
+                )))
+            }
+        };
+        Ok(ReplicaHook {
+            kind,
+            name: name.to_owned(),
+            original,
+            hub,
+        })
+    }
+
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = args.py();
+        let hub = self.hub.get();
+        match self.kind {
+            HookKind::Touch => {
+                if let Some(ts) = argument(args, kwargs, 0, "ts")? {
+                    hub.touch(&ts)?;
+                }
+            }
+            HookKind::Removed => {
+                let ts = argument(args, kwargs, 0, "ts")?;
+                let ws = argument(args, kwargs, 1, "ws")?;
+                if let (Some(ts), Some(ws)) = (ts, ws) {
+                    hub.touch_removed(&ts, &ws)?;
+                }
+            }
+            HookKind::Dependencies => {
+                if let Some(ts) = argument(args, kwargs, 1, "ts")? {
+                    hub.touch_dependencies(&ts)?;
+                }
+            }
+        }
+        self.original.bind(py).call(args, kwargs)
+    }
+
+    /// The hooked method's name.
+    #[getter]
+    fn __name__(&self) -> &str {
+        &self.name
+    }
+
+    /// The scheduler's own (bound) method.
+    #[getter]
+    fn __wrapped__(&self, py: Python<'_>) -> Py<PyAny> {
+        self.original.clone_ref(py)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "<dask-shm replica hook of {}>",
+            self.original.bind(py).repr()?
+        ))
+    }
 }

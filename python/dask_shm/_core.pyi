@@ -186,6 +186,33 @@ class ReplicaTracker:
         """(full scan, tasks looked at, ordered by a pass over replicated_tasks)."""
 
 @final
+class TrackerHub:
+    """The ReplicaTrackers of one scheduler, held weakly; the scheduler's hooks
+    report replica changes to it, and it to each live tracker."""
+
+    def __init__(self) -> None: ...
+    def add(self, tracker: ReplicaTracker) -> None: ...
+    def __len__(self) -> int:
+        """Number of live trackers."""
+    def touch(self, ts: Any) -> None: ...
+    def touch_removed(self, ts: Any, ws: Any) -> None: ...
+    def touch_dependencies(self, ts: Any) -> None: ...
+
+@final
+class ReplicaHook:
+    """Scheduler method ``name`` (``add_replica``, ``remove_replica``,
+    ``remove_all_replicas`` or ``send_task_to_worker``), wrapped to report each
+    call to ``hub`` before running ``original`` with the same arguments.
+    ValueError for any other name."""
+
+    def __init__(self, name: str, original: Any, hub: TrackerHub) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    @property
+    def __name__(self) -> str: ...
+    @property
+    def __wrapped__(self) -> Any: ...
+
+@final
 class AmmRun:
     """One Active Memory Manager run: the run's workers and their Rust table.
 
