@@ -49,6 +49,9 @@ pub(crate) type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
 
 type Entry<'py> = (Bound<'py, PySet>, Bound<'py, PySet>);
 
+/// `[replications, drops]`, each a list of `(worker, keys)`.
+type Grouped<'py> = [Vec<(Bound<'py, PyAny>, Vec<Bound<'py, PyAny>>)>; 2];
+
 /// The `(pending replications, pending drops)` entry of `ts`, created empty if
 /// absent (one hash of `ts`).
 fn entry<'py>(pending: &Bound<'py, PyDict>, ts: &Bound<'py, PyAny>) -> PyResult<Entry<'py>> {
@@ -300,7 +303,7 @@ impl AmmRun {
     }
 
     /// Record an accepted action in its `pending` set, or, without one, in the
-    /// deferred log (enacted by `group_actions` like the `pending` entries).
+    /// deferred log (enacted by `enact` like the `pending` entries).
     fn record(
         &mut self,
         set: Option<&Bound<'_, PySet>>,
@@ -430,6 +433,104 @@ impl AmmRun {
             }
         }
         self.buffers = (scratch, dropped);
+        Ok(out)
+    }
+
+    /// The accepted actions of `pending` and of the deferred log grouped by
+    /// worker, as stock enacts them: `[replications, drops]`, each a list of
+    /// `(worker, keys)` (the run's workers in order, then workers a policy put
+    /// in `pending` that are not part of the run). Tasks that lost all
+    /// replicas are skipped. With `validate`, raises AssertionError if an
+    /// action would drop the last replica, replicate onto a holder or drop
+    /// from a non-holder.
+    fn grouped<'py>(&self, pending: &Bound<'py, PyDict>, validate: bool) -> PyResult<Grouped<'py>> {
+        let py = pending.py();
+        let n = self.workers.len();
+        let mut repl: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
+        let mut drop: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
+        // Workers a policy put in `pending` that are not part of this run.
+        let mut foreign: Vec<(Bound<'py, PyAny>, bool, Vec<Bound<'py, PyAny>>)> = Vec::new();
+        for (ts, value) in pending.iter() {
+            let who_has = ts.getattr(intern!(py, "who_has"))?;
+            if who_has.is_none() || !who_has.is_truthy()? {
+                continue;
+            }
+            let (repl_set, drop_set) = split_entry(&value)?;
+            if repl_set.is_empty() && drop_set.is_empty() {
+                continue;
+            }
+            if validate {
+                let mut keeps = false;
+                for h in who_has.try_iter()? {
+                    if !drop_set.contains(h?)? {
+                        keeps = true;
+                        break;
+                    }
+                }
+                if !keeps {
+                    return Err(PyAssertionError::new_err(format!(
+                        "would drop the last replica of {}",
+                        ts.repr()?
+                    )));
+                }
+            }
+            let key = ts.getattr(intern!(py, "key"))?;
+            for (set, lists, is_drop) in
+                [(&repl_set, &mut repl, false), (&drop_set, &mut drop, true)]
+            {
+                for ws in set.iter() {
+                    if validate && who_has.contains(&ws)? != is_drop {
+                        return Err(PyAssertionError::new_err(format!(
+                            "{} {} a replica of {}",
+                            ws.repr()?,
+                            if is_drop {
+                                "cannot drop"
+                            } else {
+                                "already holds"
+                            },
+                            ts.repr()?
+                        )));
+                    }
+                    match self.pos(&ws) {
+                        Some(p) => lists[p as usize].push(key.clone()),
+                        None => match foreign
+                            .iter_mut()
+                            .find(|(f, d, _)| f.is(&ws) && *d == is_drop)
+                        {
+                            Some((_, _, keys)) => keys.push(key.clone()),
+                            None => foreign.push((ws, is_drop, vec![key.clone()])),
+                        },
+                    }
+                }
+            }
+        }
+        for (ts, w, is_drop) in &self.deferred {
+            let ts = ts.bind(py);
+            let who_has = ts.getattr(intern!(py, "who_has"))?;
+            if who_has.is_none() || !who_has.is_truthy()? {
+                continue;
+            }
+            if validate && who_has.contains(self.workers[*w as usize].bind(py))? != *is_drop {
+                return Err(PyAssertionError::new_err(format!(
+                    "invalid deferred action on {}",
+                    ts.repr()?
+                )));
+            }
+            let key = ts.getattr(intern!(py, "key"))?;
+            let lists = if *is_drop { &mut drop } else { &mut repl };
+            lists[*w as usize].push(key);
+        }
+        let mut out: Grouped<'py> = [Vec::new(), Vec::new()];
+        for (i, lists) in [repl, drop].into_iter().enumerate() {
+            for (w, keys) in lists.into_iter().enumerate() {
+                if !keys.is_empty() {
+                    out[i].push((self.workers[w].bind(py).clone(), keys));
+                }
+            }
+        }
+        for (ws, is_drop, keys) in foreign {
+            out[usize::from(is_drop)].push((ws, keys));
+        }
         Ok(out)
     }
 
@@ -745,106 +846,47 @@ impl AmmRun {
         Ok((nrepl, nno_rec))
     }
 
-    /// Group the accepted actions of `pending` and of the deferred log by
-    /// worker, as stock enacts them:
-    /// tasks that lost all replicas are skipped. Returns `(replications,
-    /// drops)`, each a list of `(worker, [keys])`. With `validate`, raises
-    /// AssertionError if an action would drop the last replica, replicate onto
-    /// a holder or drop from a non-holder.
-    fn group_actions<'py>(
+    /// Send the accepted actions of `pending` and of the deferred log to the
+    /// workers as stock's `_enact_suggestions` does: grouped by worker
+    /// (`grouped`), each worker's replications through
+    /// `scheduler.request_acquire_replicas(address, keys, stimulus_id=...)`,
+    /// then each worker's drops through `request_remove_replicas`, each call
+    /// preceded by stock's DEBUG record on `logger` when one is given.
+    /// `validate`: see `grouped`.
+    #[pyo3(signature = (pending, scheduler, stimulus_id, validate, logger=None))]
+    fn enact(
         &self,
-        pending: &Bound<'py, PyDict>,
+        pending: &Bound<'_, PyDict>,
+        scheduler: &Bound<'_, PyAny>,
+        stimulus_id: &Bound<'_, PyAny>,
         validate: bool,
-    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        logger: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let py = pending.py();
-        let n = self.workers.len();
-        let mut repl: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
-        let mut drop: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
-        // Workers a policy put in `pending` that are not part of this run.
-        let mut foreign: Vec<(Bound<'py, PyAny>, bool, Vec<Bound<'py, PyAny>>)> = Vec::new();
-        for (ts, value) in pending.iter() {
-            let who_has = ts.getattr(intern!(py, "who_has"))?;
-            if who_has.is_none() || !who_has.is_truthy()? {
-                continue;
-            }
-            let (repl_set, drop_set) = split_entry(&value)?;
-            if repl_set.is_empty() && drop_set.is_empty() {
-                continue;
-            }
-            if validate {
-                let mut keeps = false;
-                for h in who_has.try_iter()? {
-                    if !drop_set.contains(h?)? {
-                        keeps = true;
-                        break;
-                    }
+        let [repl, drop] = self.grouped(pending, validate)?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(intern!(py, "stimulus_id"), stimulus_id)?;
+        let steps = [
+            (
+                repl,
+                intern!(py, "request_acquire_replicas"),
+                "- %s to acquire %d replicas",
+            ),
+            (
+                drop,
+                intern!(py, "request_remove_replicas"),
+                "- %s to drop %d replicas",
+            ),
+        ];
+        for (groups, method, message) in steps {
+            for (ws, keys) in groups {
+                if let Some(logger) = logger {
+                    logger.call_method1(intern!(py, "debug"), (message, &ws, keys.len()))?;
                 }
-                if !keeps {
-                    return Err(PyAssertionError::new_err(format!(
-                        "would drop the last replica of {}",
-                        ts.repr()?
-                    )));
-                }
-            }
-            let key = ts.getattr(intern!(py, "key"))?;
-            for (set, lists, is_drop) in
-                [(&repl_set, &mut repl, false), (&drop_set, &mut drop, true)]
-            {
-                for ws in set.iter() {
-                    if validate && who_has.contains(&ws)? != is_drop {
-                        return Err(PyAssertionError::new_err(format!(
-                            "{} {} a replica of {}",
-                            ws.repr()?,
-                            if is_drop {
-                                "cannot drop"
-                            } else {
-                                "already holds"
-                            },
-                            ts.repr()?
-                        )));
-                    }
-                    match self.pos(&ws) {
-                        Some(p) => lists[p as usize].push(key.clone()),
-                        None => match foreign
-                            .iter_mut()
-                            .find(|(f, d, _)| f.is(&ws) && *d == is_drop)
-                        {
-                            Some((_, _, keys)) => keys.push(key.clone()),
-                            None => foreign.push((ws, is_drop, vec![key.clone()])),
-                        },
-                    }
-                }
+                let address = ws.getattr(intern!(py, "address"))?;
+                scheduler.call_method(method, (address, PyList::new(py, keys)?), Some(&kwargs))?;
             }
         }
-        for (ts, w, is_drop) in &self.deferred {
-            let ts = ts.bind(py);
-            let who_has = ts.getattr(intern!(py, "who_has"))?;
-            if who_has.is_none() || !who_has.is_truthy()? {
-                continue;
-            }
-            if validate && who_has.contains(self.workers[*w as usize].bind(py))? != *is_drop {
-                return Err(PyAssertionError::new_err(format!(
-                    "invalid deferred action on {}",
-                    ts.repr()?
-                )));
-            }
-            let key = ts.getattr(intern!(py, "key"))?;
-            let lists = if *is_drop { &mut drop } else { &mut repl };
-            lists[*w as usize].push(key);
-        }
-        let out_repl = PyList::empty(py);
-        let out_drop = PyList::empty(py);
-        for (lists, out) in [(repl, &out_repl), (drop, &out_drop)] {
-            for (w, keys) in lists.into_iter().enumerate() {
-                if !keys.is_empty() {
-                    out.append((self.workers[w].bind(py), PyList::new(py, keys)?))?;
-                }
-            }
-        }
-        for (ws, is_drop, keys) in foreign {
-            let out = if is_drop { &out_drop } else { &out_repl };
-            out.append((ws, PyList::new(py, keys)?))?;
-        }
-        Ok((out_repl, out_drop))
+        Ok(())
     }
 }

@@ -273,7 +273,7 @@ class AmmRun:
         defer: bool = False,
     ) -> tuple[int, int]:
         """Stock ReduceReplicas in one pass; returns (tasks suggested, drops suggested).
-        ``defer``: new accepted actions are kept for ``group_actions`` instead of
+        ``defer``: new accepted actions are kept for ``enact`` instead of
         ``pending`` (for the last policy of a run)."""
     def reduce_replicas_tracked(
         self,
@@ -291,11 +291,19 @@ class AmmRun:
         self, ws: Any, pending: dict[Any, Any], defer: bool = False
     ) -> tuple[int, int]:
         """Stock RetireWorker in one pass; returns (keys to move, keys without recipient)."""
-    def group_actions(
-        self, pending: dict[Any, Any], validate: bool
-    ) -> tuple[list[tuple[Any, list[Any]]], list[tuple[Any, list[Any]]]]:
-        """Accepted (replications, drops) by worker; AssertionError on invalid ones
-        when ``validate``."""
+    def enact(
+        self,
+        pending: dict[Any, Any],
+        scheduler: Any,
+        stimulus_id: str,
+        validate: bool,
+        logger: Any | None = None,
+    ) -> None:
+        """Send the accepted actions (``pending`` and deferred) grouped by worker:
+        ``scheduler.request_acquire_replicas`` per worker, then
+        ``request_remove_replicas``, each preceded by stock's DEBUG record on
+        ``logger`` if given. ``validate``: AssertionError on an action that would
+        drop the last replica, replicate onto a holder or drop from a non-holder."""
 
 def read_peer_file(
     root: str | PathLike[str], path: str | PathLike[str], size: int

@@ -273,17 +273,17 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
 
     def _enact_suggestions(self) -> None:
         """Send every accepted replication and drop (in ``pending`` and deferred in
-        the Rust run) to its worker, one message per worker and kind. Returns
-        immediately. Nothing is logged when no task got a suggestion (as stock)."""
+        the Rust run) to its worker, one message per worker and kind, with stock's
+        log records (``AmmRun.enact``). Returns immediately. Nothing is logged when
+        no task got a suggestion (as stock)."""
         ntasks = len(self.pending) + self._run.deferred_tasks
         if not ntasks:
             return
         logger.debug("Enacting suggestions for %d tasks:", ntasks)
-        repl, drop = self._run.group_actions(self.pending, bool(self.scheduler.validate))
-        stimulus_id = f"active_memory_manager-{time()}"
-        for ws, keys in repl:
-            logger.debug("- %s to acquire %d replicas", ws, len(keys))
-            self.scheduler.request_acquire_replicas(ws.address, keys, stimulus_id=stimulus_id)
-        for ws, keys in drop:
-            logger.debug("- %s to drop %d replicas", ws, len(keys))
-            self.scheduler.request_remove_replicas(ws.address, keys, stimulus_id=stimulus_id)
+        self._run.enact(
+            self.pending,
+            self.scheduler,
+            f"active_memory_manager-{time()}",
+            bool(self.scheduler.validate),
+            logger if logger.isEnabledFor(logging.DEBUG) else None,
+        )
