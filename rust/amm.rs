@@ -683,15 +683,16 @@ pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest]) -> bool {
     if tasks.len() < 2 {
         return true;
     }
-    // Upper bound of what other tasks may take off each worker.
-    let mut exposure: std::collections::HashMap<u32, i64> = std::collections::HashMap::new();
+    // Upper bound of what other tasks may take off each worker (indexed by
+    // worker: a run has few workers next to the tasks it looks at).
+    let mut exposure = vec![0i64; table.len()];
     let droppable = |task: &DropRequest, h: u32| {
         !task.actor && !task.pending_drop.contains(&h) && !task.dependents.contains(&h)
     };
     for task in tasks {
         for &h in &task.holders {
             if droppable(task, h) {
-                *exposure.entry(h).or_insert(0) += task.nbytes;
+                exposure[h as usize] = exposure[h as usize].saturating_add(task.nbytes);
             }
         }
     }
@@ -703,7 +704,7 @@ pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest]) -> bool {
                 continue;
             }
             let hi = table.memory(h);
-            let other = exposure.get(&h).copied().unwrap_or(0) - task.nbytes;
+            let other = exposure[h as usize].saturating_sub(task.nbytes);
             let lo = hi.saturating_sub(other).max(0);
             cands.push((!table.running(h), hi, lo, h));
         }

@@ -78,15 +78,47 @@ fn len_or_zero(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     }
 }
 
-/// Stock's `{waiter.processing_on or waiter for waiter in waiters}`, counted.
-fn waiter_places(waiters: &Bound<'_, PyAny>) -> PyResult<usize> {
+/// Where the waiters of one task are processing (`processing_on` of each
+/// waiter that has one, by address), gathered while counting their places,
+/// so that deciding the task's drops need not read the waiters again.
+#[derive(Clone, Copy)]
+pub(crate) struct WaitingOn {
+    on: [usize; amm::MAX_COUNTED_WAITERS],
+    len: usize,
+}
+
+impl WaitingOn {
+    fn new() -> Self {
+        WaitingOn {
+            on: [0; amm::MAX_COUNTED_WAITERS],
+            len: 0,
+        }
+    }
+
+    fn as_slice(&self) -> &[usize] {
+        &self.on[..self.len]
+    }
+}
+
+/// Stock's `{waiter.processing_on or waiter for waiter in waiters}`, counted;
+/// records where the waiters are processing in `waiting_on`.
+fn waiter_places(waiters: &Bound<'_, PyAny>, waiting_on: &mut WaitingOn) -> PyResult<usize> {
     // Only called below amm::MAX_COUNTED_WAITERS waiters: a stack array will do.
     let py = waiters.py();
     let mut places = [0usize; amm::MAX_COUNTED_WAITERS];
     let mut n = 0;
+    let too_many =
+        || pyo3::exceptions::PyRuntimeError::new_err("waiters changed size during the count");
     for waiter in waiters.try_iter()? {
         let waiter = waiter?;
         let on = waiter.getattr(intern!(py, "processing_on"))?;
+        if !on.is_none() {
+            if waiting_on.len == waiting_on.on.len() {
+                return Err(too_many());
+            }
+            waiting_on.on[waiting_on.len] = on.as_ptr() as usize;
+            waiting_on.len += 1;
+        }
         let id = if on.is_truthy()? {
             on.as_ptr()
         } else {
@@ -94,9 +126,7 @@ fn waiter_places(waiters: &Bound<'_, PyAny>) -> PyResult<usize> {
         } as usize;
         if !places[..n].contains(&id) {
             if n == places.len() {
-                return Err(pyo3::exceptions::PyRuntimeError::new_err(
-                    "waiters changed size during the count",
-                ));
+                return Err(too_many());
             }
             places[n] = id;
             n += 1;
@@ -105,19 +135,30 @@ fn waiter_places(waiters: &Bound<'_, PyAny>) -> PyResult<usize> {
     Ok(n)
 }
 
-/// `amm::replicas_to_keep` over a Python `waiters` set (or None).
-pub(crate) fn keep_for(desired: i64, waiters: &Bound<'_, PyAny>) -> PyResult<i64> {
+/// `amm::replicas_to_keep` over a Python `waiters` set (or None). Returns
+/// where the waiters are processing too when it had to look at them.
+fn keep_and_waiting_on(
+    desired: i64,
+    waiters: &Bound<'_, PyAny>,
+) -> PyResult<(i64, Option<WaitingOn>)> {
     let mut err = None;
+    let mut waiting_on = None;
     let keep = amm::replicas_to_keep(desired, len_or_zero(waiters)?, || {
-        waiter_places(waiters).unwrap_or_else(|e| {
+        let w = waiting_on.insert(WaitingOn::new());
+        waiter_places(waiters, w).unwrap_or_else(|e| {
             err = Some(e);
             0
         })
     });
     match err {
         Some(e) => Err(e),
-        None => Ok(keep),
+        None => Ok((keep, waiting_on)),
     }
+}
+
+/// `amm::replicas_to_keep` over a Python `waiters` set (or None).
+pub(crate) fn keep_for(desired: i64, waiters: &Bound<'_, PyAny>) -> PyResult<i64> {
+    Ok(keep_and_waiting_on(desired, waiters)?.0)
 }
 
 /// Number of replicas ReduceReplicas keeps for a task wanting `desired`
@@ -192,6 +233,8 @@ pub(crate) struct Evaluated<'py> {
     /// Drops suggested ignoring this run's pending actions (> 0: over-replicated).
     pub base_excess: i64,
     existing: Option<Bound<'py, PyAny>>,
+    /// Where the waiters are processing, if they were read.
+    waiting_on: Option<WaitingOn>,
     /// Drops suggested in this run.
     pub ndrop: i64,
 }
@@ -354,7 +397,8 @@ impl AmmRun {
             Some(v) => v.extract()?,
             None => 1,
         };
-        let keep = keep_for(desired, &ts.getattr(intern!(py, "waiters"))?)?;
+        let (keep, waiting_on) =
+            keep_and_waiting_on(desired, &ts.getattr(intern!(py, "waiters"))?)?;
         let base_excess = amm::excess_replicas(n_holders, keep, 0, 0);
         let existing = match pending {
             Some(p) if !p.is_empty() => p.get_item(&ts)?,
@@ -373,6 +417,7 @@ impl AmmRun {
             n_holders,
             base_excess,
             existing,
+            waiting_on,
             ndrop,
         })
     }
@@ -402,7 +447,12 @@ impl AmmRun {
             if let Some(set) = &drop_set {
                 self.positions_into(set.as_any(), &mut request.pending_drop)?;
             }
-            self.dependents_into(&ev.ts, &mut request.dependents)?;
+            match &ev.waiting_on {
+                Some(w) => request
+                    .dependents
+                    .extend(w.as_slice().iter().filter_map(|a| self.index.get(a))),
+                None => self.dependents_into(&ev.ts, &mut request.dependents)?,
+            }
             request.nbytes = Self::nbytes(&ev.ts)?;
         }
         Ok(Prepared {
