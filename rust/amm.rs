@@ -206,8 +206,9 @@ pub struct WorkerTable {
     memory: Vec<i64>,
     running: Vec<bool>,
     eligible: Vec<bool>,
-    /// Workers that may receive replicas, ordered by `(memory, index)`.
-    by_memory: BTreeSet<(i64, u32)>,
+    /// Workers that may receive replicas, ordered by `(memory, index)`; built
+    /// on the first recipient query (a run that only drops never needs it).
+    by_memory: Option<BTreeSet<(i64, u32)>>,
     flags: Vec<u8>,
 }
 
@@ -230,18 +231,25 @@ impl WorkerTable {
             "memory/eligible length mismatch"
         );
         assert!(u32::try_from(memory.len()).is_ok(), "too many workers");
-        let by_memory = (0..memory.len())
-            .filter(|&w| eligible[w])
-            .map(|w| (memory[w], w as u32))
-            .collect();
         let flags = vec![0; memory.len()];
         WorkerTable {
             memory,
             running,
             eligible,
-            by_memory,
+            by_memory: None,
             flags,
         }
+    }
+
+    /// The ordered index of eligible workers, built if not yet.
+    fn index(&mut self) -> &BTreeSet<(i64, u32)> {
+        let (memory, eligible) = (&self.memory, &self.eligible);
+        self.by_memory.get_or_insert_with(|| {
+            (0..memory.len())
+                .filter(|&w| eligible[w])
+                .map(|w| (memory[w], w as u32))
+                .collect()
+        })
     }
 
     /// Number of workers in the table.
@@ -284,8 +292,10 @@ impl WorkerTable {
             return;
         }
         if self.eligible[wi] {
-            self.by_memory.remove(&(old, w));
-            self.by_memory.insert((value, w));
+            if let Some(index) = &mut self.by_memory {
+                index.remove(&(old, w));
+                index.insert((value, w));
+            }
         }
         self.memory[wi] = value;
     }
@@ -342,6 +352,9 @@ impl WorkerTable {
         if let Some(c) = candidates {
             self.check(c);
         }
+        if candidates.is_none() {
+            self.index();
+        }
         self.mark(holders, HOLDER);
         self.mark(pending, PENDING);
         let result = match candidates {
@@ -383,12 +396,17 @@ impl WorkerTable {
         }
     }
 
+    /// Needs the index built (`index`).
     fn recipient_any(&self) -> Result<u32, Reject> {
-        if self.by_memory.is_empty() {
+        let index = self
+            .by_memory
+            .as_ref()
+            .expect("index built before the walk");
+        if index.is_empty() {
             return Err(Reject::NoRunningCandidates);
         }
         let mut any_free = false;
-        for &(_, w) in &self.by_memory {
+        for &(_, w) in index {
             let f = self.flags[w as usize];
             if f & HOLDER != 0 {
                 continue;
@@ -1017,6 +1035,10 @@ mod tests {
             let memory: Vec<i64> = (0..n).map(|_| next(8) as i64).collect();
             let running: Vec<bool> = (0..n).map(|_| next(4) != 0).collect();
             let mut t = table(&memory, &running);
+            // Drops before the first query: the index is built from them.
+            for _ in 0..next(3) {
+                t.drop_replica(next(n as u64) as u32, next(5) as i64);
+            }
             for _ in 0..20 {
                 let excl: Vec<u32> = (0..next(6)).map(|_| next(n as u64) as u32).collect();
                 let want = naive_recipient(&t, None, &excl);

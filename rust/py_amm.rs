@@ -261,8 +261,9 @@ pub struct AmmRun {
     /// Tasks a deferring bulk policy suggested something for that had no
     /// `pending` entry (stock would have created one for each).
     deferred_tasks: usize,
-    /// Buffers reused across the tasks of a run: (scratch, dropped).
-    buffers: (Vec<u32>, Vec<u32>),
+    /// Buffers reused across the tasks of a run: (scratch, dropped, the
+    /// droppers' addresses).
+    buffers: (Vec<u32>, Vec<u32>, Vec<usize>),
 }
 
 impl AmmRun {
@@ -466,8 +467,8 @@ impl AmmRun {
 
     /// Decide a prepared task (`amm::reduce_task`) and record its drops; with
     /// `addresses`, returns the addresses of the workers dropping it.
-    pub(crate) fn decide(&mut self, task: &Prepared<'_>, addresses: bool) -> PyResult<Vec<usize>> {
-        let (mut scratch, mut dropped) = std::mem::take(&mut self.buffers);
+    pub(crate) fn decide(&mut self, task: &Prepared<'_>, addresses: bool) -> PyResult<&[usize]> {
+        let (mut scratch, mut dropped, mut out) = std::mem::take(&mut self.buffers);
         amm::reduce_task_into(
             &mut self.table,
             &task.request,
@@ -475,15 +476,16 @@ impl AmmRun {
             &mut scratch,
             &mut dropped,
         );
-        let mut out = Vec::new();
-        for &w in &dropped {
-            self.record(task.drop_set.as_ref(), &task.ts, w, true)?;
+        out.clear();
+        let recorded = dropped.iter().try_for_each(|&w| {
             if addresses {
                 out.push(self.workers[w as usize].as_ptr() as usize);
             }
-        }
-        self.buffers = (scratch, dropped);
-        Ok(out)
+            self.record(task.drop_set.as_ref(), &task.ts, w, true)
+        });
+        self.buffers = (scratch, dropped, out);
+        recorded?;
+        Ok(&self.buffers.2)
     }
 
     /// The accepted actions of `pending` and of the deferred log grouped by
@@ -622,7 +624,7 @@ impl AmmRun {
             last_reject: 0,
             deferred: Vec::new(),
             deferred_tasks: 0,
-            buffers: (Vec::new(), Vec::new()),
+            buffers: (Vec::new(), Vec::new(), Vec::new()),
         })
     }
 

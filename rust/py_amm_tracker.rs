@@ -57,13 +57,37 @@ pub struct ReplicaTracker {
     /// address cannot be reused by another object).
     tasks: Option<Py<PyAny>>,
     last: RunStats,
+    /// Buffers of the drop requests of past runs, reused.
+    requests: Vec<DropRequest>,
 }
 
 struct Expected {
     ts: Py<PyAny>,
     base_excess: i64,
-    workers: Vec<usize>,
+    /// Dropping workers (addresses) left: `first` (0 if none), then `more`
+    /// (a task almost always drops one replica; no allocation then).
+    first: usize,
+    more: Vec<usize>,
     seen: i64,
+}
+
+impl Expected {
+    /// Whether `ws` (an address) is still due to drop the task; forgets it.
+    fn take(&mut self, ws: usize) -> bool {
+        if self.first != 0 && self.first == ws {
+            self.first = 0;
+        } else if let Some(i) = self.more.iter().position(|&w| w == ws) {
+            self.more.swap_remove(i);
+        } else {
+            return false;
+        }
+        self.seen += 1;
+        true
+    }
+
+    fn all_seen(&self) -> bool {
+        self.first == 0 && self.more.is_empty()
+    }
 }
 
 fn addr(obj: &Bound<'_, PyAny>) -> usize {
@@ -83,6 +107,7 @@ impl ReplicaTracker {
             rescan: true,
             tasks: None,
             last: RunStats::default(),
+            requests: Vec::new(),
         }
     }
 
@@ -104,9 +129,7 @@ impl ReplicaTracker {
     /// know; anything else is a change.
     fn touch_removed(&mut self, ts: &Bound<'_, PyAny>, ws: &Bound<'_, PyAny>) {
         if let Some(e) = self.expected.get_mut(&addr(ts)) {
-            if let Some(i) = e.workers.iter().position(|&w| w == addr(ws)) {
-                e.workers.swap_remove(i);
-                e.seen += 1;
+            if e.take(addr(ws)) {
                 return;
             }
         }
@@ -183,8 +206,10 @@ impl ReplicaTracker {
     /// set: a task whose decided drops were all enacted (and nothing else
     /// touched it) has `base_excess - drops` left; any other is looked at again.
     fn settle_expected(&mut self, py: Python<'_>) {
-        for (a, e) in std::mem::take(&mut self.expected) {
-            if !e.workers.is_empty() || self.dirty.contains_key(&a) {
+        // Drained in place: the map keeps its capacity for the next run.
+        let mut expected = std::mem::take(&mut self.expected);
+        for (a, e) in expected.drain() {
+            if !e.all_seen() || self.dirty.contains_key(&a) {
                 self.touch(e.ts.bind(py));
             } else if e.base_excess - e.seen > 0 {
                 self.over.insert(a, e.ts);
@@ -192,14 +217,16 @@ impl ReplicaTracker {
                 self.over.remove(&a);
             }
         }
+        self.expected = expected;
     }
 
-    fn expect(&mut self, task: &Prepared<'_>, dropped: Vec<usize>) {
-        if !dropped.is_empty() {
+    fn expect(&mut self, task: &Prepared<'_>, dropped: &[usize]) {
+        if let Some((&first, more)) = dropped.split_first() {
             let e = Expected {
                 ts: task.ts.clone().unbind(),
                 base_excess: task.base_excess,
-                workers: dropped,
+                first,
+                more: more.to_vec(),
                 seen: 0,
             };
             self.expected.insert(addr(&task.ts), e);
@@ -263,7 +290,13 @@ impl ReplicaTracker {
     ) -> PyResult<(usize, i64)> {
         let py = tasks.py();
         // Everything whose count may have changed, or may be positive.
-        let mut look: AddrMap<Bound<'_, PyAny>> = AddrMap::default();
+        let capacity = self.over.len()
+            + self.dirty.len()
+            + self.targets.len()
+            + pending.len()
+            + targets.map_or(0, |t| t.len());
+        let mut look: AddrMap<Bound<'_, PyAny>> =
+            AddrMap::with_capacity_and_hasher(capacity, Default::default());
         for map in [&self.over, &self.dirty, &self.targets] {
             for (&a, ts) in map {
                 look.entry(a).or_insert_with(|| ts.bind(py).clone());
@@ -295,7 +328,8 @@ impl ReplicaTracker {
             if ev.ndrop > 0 {
                 nkeys += 1;
                 ndrop += ev.ndrop;
-                chosen.push(run.prepare(ev, pending, defer, DropRequest::default())?);
+                let request = self.requests.pop().unwrap_or_default();
+                chosen.push(run.prepare(ev, pending, defer, request)?);
             }
         }
         if validate {
@@ -313,6 +347,8 @@ impl ReplicaTracker {
             let dropped = run.decide(task, true)?;
             self.expect(task, dropped);
         }
+        // Keep the requests' buffers for the next run.
+        self.requests.extend(chosen.into_iter().map(|t| t.request));
         self.last = RunStats {
             full_scan: false,
             looked_at,
