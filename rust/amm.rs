@@ -685,61 +685,98 @@ pub fn retire_task(table: &mut WorkerTable, w: u32, task: &RetireRequest) -> Ret
     }
 }
 
-/// True if running [`reduce_task_into`] over `tasks` (each with any `ndrop`) gives
-/// the same drops in every order, so stock's order (the iteration order of
-/// `scheduler.replicated_tasks`) need not be known.
+/// True if running [`reduce_task_into`] over `tasks` (task `i` with
+/// `ndrop[i]` drops) gives the same drops in every order, so stock's order
+/// (the iteration order of `scheduler.replicated_tasks`) need not be known.
 ///
 /// Tasks interact only through the memory of the workers they may drop from
 /// (holders not pending a drop and without dependents processing there). The
-/// drops of one task are the top `ndrop` of its eligible holders by
-/// `(not running, memory)` at the time it runs; a later drop can lower a
-/// worker's memory by at most the sizes of the other tasks that may drop from
-/// it. If, for every task, the line between the holders it would drop from and
-/// those it would keep holds for any such lowering, no order can change any
-/// choice. Conservative: false means "maybe order-dependent".
-pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest]) -> bool {
+/// drops of one task are the top ones of its eligible holders by `(not
+/// running, memory)` at the time it runs; a later drop can lower a worker's
+/// memory by at most the sizes of the other tasks that may drop from it. If,
+/// for a task, the line between any two of its candidates holds for any such
+/// lowering, no order can change its choices: it is *settled*, and drops in
+/// every order exactly what it drops when run first. A settled task lowers
+/// only the workers it drops from, so the bound of the others shrinks; the
+/// check is repeated until every task is settled (true) or a round settles
+/// none (false). Conservative: false means "maybe order-dependent".
+pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest], ndrop: &[i64]) -> bool {
+    assert_eq!(tasks.len(), ndrop.len(), "tasks/ndrop length mismatch");
     if tasks.len() < 2 {
         return true;
     }
-    // Upper bound of what other tasks may take off each worker (indexed by
-    // worker: a run has few workers next to the tasks it looks at).
-    let mut exposure = vec![0i64; table.len()];
     let droppable = |task: &DropRequest, h: u32| {
         !task.actor && !task.pending_drop.contains(&h) && !task.dependents.contains(&h)
     };
-    for task in tasks {
-        for &h in &task.holders {
-            if droppable(task, h) {
+    // Per task: None while unsettled, else the workers it drops from.
+    let mut settled: Vec<Option<Vec<u32>>> = vec![None; tasks.len()];
+    // A copy of the table on which settled tasks are run first (restored after each).
+    let mut first: Option<WorkerTable> = None;
+    let (mut scratch, mut dropped) = (Vec::new(), Vec::new());
+    let mut cands: Vec<(bool, i64, i64, u32)> = Vec::new();
+    loop {
+        // Upper bound of what the tasks may take off each worker (indexed by
+        // worker: a run has few workers next to the tasks it looks at).
+        let mut exposure = vec![0i64; table.len()];
+        for (task, drops) in tasks.iter().zip(&settled) {
+            let mut add = |h: u32| {
                 exposure[h as usize] = exposure[h as usize].saturating_add(task.nbytes);
+            };
+            match drops {
+                Some(d) => d.iter().copied().for_each(&mut add),
+                None => task
+                    .holders
+                    .iter()
+                    .copied()
+                    .filter(|&h| droppable(task, h))
+                    .for_each(&mut add),
             }
         }
-    }
-    let mut cands: Vec<(bool, i64, i64, u32)> = Vec::new();
-    for task in tasks {
-        cands.clear();
-        for &h in &task.holders {
-            if !droppable(task, h) {
+        let (mut progress, mut unsettled) = (false, false);
+        for (i, task) in tasks.iter().enumerate() {
+            if settled[i].is_some() {
                 continue;
             }
-            let hi = table.memory(h);
-            let other = exposure[h as usize].saturating_sub(task.nbytes);
-            let lo = hi.saturating_sub(other).max(0);
-            cands.push((!table.running(h), hi, lo, h));
-        }
-        // Best first, as find_dropper ranks: (not running, memory) high, then index low.
-        cands.sort_unstable_by(|a, b| (b.0, b.1, a.3).cmp(&(a.0, a.1, b.3)));
-        // How many drops are accepted does not depend on order; which ones
-        // does unless the whole ranking holds under any lowering. Neighbours
-        // suffice (the bounds chain); running status outranks memory.
-        for pair in cands.windows(2) {
-            let (c, o) = (pair[0], pair[1]);
-            let fixed_tie = c.1 == c.2 && o.1 == o.2; // neither moves: index decides
-            if c.0 == o.0 && !fixed_tie && c.2 <= o.1 {
-                return false;
+            cands.clear();
+            for &h in &task.holders {
+                if !droppable(task, h) {
+                    continue;
+                }
+                let hi = table.memory(h);
+                // The task itself counts in `exposure` at each of its candidates.
+                let other = exposure[h as usize].saturating_sub(task.nbytes);
+                let lo = hi.saturating_sub(other).max(0);
+                cands.push((!table.running(h), hi, lo, h));
             }
+            // Best first, as find_dropper ranks: (not running, memory) high, then index low.
+            cands.sort_unstable_by(|a, b| (b.0, b.1, a.3).cmp(&(a.0, a.1, b.3)));
+            // How many drops are accepted does not depend on order; which ones
+            // does unless the whole ranking holds under any lowering. Neighbours
+            // suffice (the bounds chain); running status outranks memory.
+            let holds = cands.windows(2).all(|pair| {
+                let (c, o) = (pair[0], pair[1]);
+                let fixed_tie = c.1 == c.2 && o.1 == o.2; // neither moves: index decides
+                c.0 != o.0 || fixed_tie || c.2 > o.1
+            });
+            if !holds {
+                unsettled = true;
+                continue;
+            }
+            let t = first.get_or_insert_with(|| table.clone());
+            reduce_task_into(t, task, ndrop[i], &mut scratch, &mut dropped);
+            for &w in &dropped {
+                t.set_memory(w, table.memory(w));
+            }
+            settled[i] = Some(dropped.clone());
+            progress = true;
+        }
+        if !unsettled {
+            return true;
+        }
+        if !progress {
+            return false;
         }
     }
-    true
 }
 
 #[cfg(test)]
@@ -970,6 +1007,23 @@ mod tests {
         }
     }
 
+    /// Every order of `items` (few of them).
+    fn permutations(items: &[usize]) -> Vec<Vec<usize>> {
+        if items.len() <= 1 {
+            return vec![items.to_vec()];
+        }
+        let mut out = Vec::new();
+        for i in 0..items.len() {
+            let mut rest = items.to_vec();
+            let head = rest.remove(i);
+            for mut p in permutations(&rest) {
+                p.insert(0, head);
+                out.push(p);
+            }
+        }
+        out
+    }
+
     #[test]
     fn order_independence_is_conservative_on_random_batches() {
         // Whenever order_independent says yes, every order gives the same drops.
@@ -998,6 +1052,7 @@ mod tests {
                 })
                 .collect();
             let refs: Vec<&DropRequest> = tasks.iter().map(|(t, _)| t).collect();
+            let ndrops: Vec<i64> = tasks.iter().map(|(_, k)| *k).collect();
             let run = |order: &[usize]| {
                 let mut t = base.clone();
                 let mut out = vec![Vec::new(); tasks.len()];
@@ -1008,11 +1063,13 @@ mod tests {
                 }
                 out
             };
-            let forward: Vec<usize> = (0..tasks.len()).collect();
-            let backward: Vec<usize> = forward.iter().rev().copied().collect();
-            if order_independent(&base, &refs) {
+            if order_independent(&base, &refs, &ndrops) {
                 yes += 1;
-                assert_eq!(run(&forward), run(&backward));
+                let forward: Vec<usize> = (0..tasks.len()).collect();
+                let want = run(&forward);
+                for order in permutations(&forward) {
+                    assert_eq!(run(&order), want, "order {order:?}");
+                }
             } else {
                 no += 1;
             }

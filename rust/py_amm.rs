@@ -931,12 +931,16 @@ impl AmmRun {
             ),
         ];
         for (groups, method, message) in steps {
+            if groups.is_empty() {
+                continue;
+            }
+            let request = scheduler.getattr(method)?;
             for (ws, keys) in groups {
                 if let Some(logger) = logger {
                     logger.call_method1(intern!(py, "debug"), (message, &ws, keys.len()))?;
                 }
                 let address = ws.getattr(intern!(py, "address"))?;
-                scheduler.call_method(method, (address, PyList::new(py, keys)?), Some(&kwargs))?;
+                request.call((address, PyList::new(py, keys)?), Some(&kwargs))?;
             }
         }
         Ok(())

@@ -338,7 +338,8 @@ impl ReplicaTracker {
         let mut ordered_by_scan = false;
         if chosen.len() > 1 {
             let requests: Vec<&DropRequest> = chosen.iter().map(|t| &t.request).collect();
-            if !amm::order_independent(run.table(), &requests) {
+            let ndrop: Vec<i64> = chosen.iter().map(|t| t.ndrop).collect();
+            if !amm::order_independent(run.table(), &requests, &ndrop) {
                 order_as_iterated(tasks, &mut chosen)?;
                 ordered_by_scan = true;
             }

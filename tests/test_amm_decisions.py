@@ -475,8 +475,9 @@ def test_tracked_runs_same_decisions_over_random_changes(seed: int) -> None:
 
 
 def test_tracked_runs_exercise_both_orderings() -> None:
-    """Across random sequences, tracked runs both skip and need the pass that
-    recovers stock's order (the test above then proves both right)."""
+    """Across random sequences and bursts of new replicas (see the next test),
+    tracked runs both skip and need the pass that recovers stock's order (the
+    tests above and below then prove both right)."""
     seen = set()
     for seed in range(40):
         rng = random.Random(seed)
@@ -492,7 +493,34 @@ def test_tracked_runs_exercise_both_orderings() -> None:
             full, looked_at, ordered = amm._tracker.last_run
             if not full and looked_at:
                 seen.add(ordered)
+    for seed in range(5):
+        rng = random.Random(seed)
+        s = burst_state(rng)
+        amm = make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()])
+        for _ in range(6):
+            burst(rng, s)
+            s.apply_drops = True
+            amm.run_once()
+            s.apply_drops = False
+            s.take()
+            full, looked_at, ordered = amm._tracker.last_run
+            if not full and looked_at:
+                seen.add(ordered)
     assert seen == {True, False}
+
+
+def burst_state(rng: random.Random) -> FakeScheduler:
+    """A few workers, tens of tasks: room for bursts of order-dependent drops."""
+    return random_state(rng, nworkers=rng.randint(3, 5), ntasks=rng.randint(30, 60), p_waiters=0.1)
+
+
+def burst(rng: random.Random, s: FakeScheduler) -> None:
+    """New replicas of 10-30 random in-memory tasks on random workers, with sizes
+    close to the memory gaps between workers."""
+    workers = list(s.workers.values())
+    in_memory = [ts for ts in s.tasks.values() if ts.state == "memory" and ts.who_has]
+    for ts in rng.sample(in_memory, min(len(in_memory), rng.randint(10, 30))):
+        s.add_replica(ts, rng.choice(workers))
 
 
 def test_scheduler_without_hooks_scans_every_run() -> None:
@@ -514,13 +542,10 @@ def test_tracked_runs_same_decisions_when_order_matters(seed: int) -> None:
     many tasks get drops in one tracked run and their choices depend on the order
     they are decided in, which must be stock's."""
     rng = random.Random(seed)
-    s = random_state(rng, nworkers=rng.randint(3, 5), ntasks=rng.randint(30, 60), p_waiters=0.1)
-    workers = list(s.workers.values())
+    s = burst_state(rng)
     our_amm = make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()])
     for _ in range(6):
-        in_memory = [ts for ts in s.tasks.values() if ts.state == "memory" and ts.who_has]
-        for ts in rng.sample(in_memory, min(len(in_memory), rng.randint(10, 30))):
-            s.add_replica(ts, rng.choice(workers))
+        burst(rng, s)
         make(stock.ActiveMemoryManagerExtension, s, [stock.ReduceReplicas()]).run_once()
         stock_dec = s.take()
         s.apply_drops = True
