@@ -6,14 +6,18 @@ its constructor, configuration (``distributed.scheduler.active-memory-manager.*`
 What changes is one run:
 
 - the per-run worker table (memory downstream of accepted actions, running status,
-  eligibility as a recipient) lives in :class:`dask_shm._core.AmmRun`, which
-  answers "find recipient" by walking an ordered index over memory and "find dropper"
-  by scanning the holders only, so neither costs a pass over the whole cluster;
+  eligibility as a recipient) lives in :class:`dask_shm._core.AmmRun`, read from the
+  scheduler's workers in one Rust pass (``getattr(ws.memory, measure)`` computed in
+  Rust from what ``WorkerState.memory`` reads, see :func:`memory_formula_matches`),
+  which answers "find recipient" by walking an ordered index over memory and "find
+  dropper" by scanning the holders only, so neither costs a pass over the cluster;
 - the stock policies (``ReduceReplicas``, ``RetireWorker``, and ours) are executed in
   bulk: one Rust call walks the scheduler's objects, issuing exactly the suggestions
   the policy's generator would yield, in the same order, and deciding each at once;
 - any other policy goes through the generator protocol
-  (``choice = yield Suggestion(...)``) one suggestion at a time, as with stock.
+  (``choice = yield Suggestion(...)``) one suggestion at a time, as with stock;
+- the accepted actions are grouped by worker and sent by the Rust run
+  (``AmmRun.enact``), in the same calls and with the same log records as stock.
 
 Decisions equal stock's wherever stock's choice is unique. **Tie rule**: when several
 workers tie on stock's sort key (memory for recipients; not-running first, then memory,

@@ -7,7 +7,8 @@ A task's count of replicas to drop (stock ``ReduceReplicas``) depends on its
   ``remove_all_replicas`` (task completion, ``add-keys`` from workers after a
   fetch, ``request_remove_replicas``, worker removal). A scheduler plugin would not
   see the ``add-keys`` ones (they are not transitions), so these three methods are
-  wrapped on the scheduler instance.
+  wrapped on the scheduler instance (by :class:`dask_shm._core.ReplicaHook`, in Rust:
+  they run on every replica change).
 - ``waiters`` of a task change when one of its dependents transitions, and a
   dependent's ``processing_on`` changes on its transitions or when work stealing
   moves it (``send_task_to_worker`` without a transition). So a
