@@ -27,7 +27,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyWeakrefReference};
 
 use crate::amm::{self, DropRequest};
-use crate::py_amm::{AddrMap, AmmRun, Prepared};
+use crate::py_amm::{AddrMap, AmmRun, Prefetched, Prepared};
 
 /// More changed tasks than this between two runs: forget them and rescan.
 const DIRTY_LIMIT: usize = 1 << 16;
@@ -249,7 +249,7 @@ impl ReplicaTracker {
         let mut request = DropRequest::default();
         for ts in tasks.try_iter()? {
             looked_at += 1;
-            let ev = AmmRun::evaluate(ts?, Some(pending), targets)?;
+            let ev = AmmRun::evaluate(ts?, None, Some(pending), targets)?;
             if keeping && ev.base_excess > 0 {
                 if self.over.len() == OVER_LIMIT {
                     keeping = false;
@@ -317,8 +317,13 @@ impl ReplicaTracker {
         look.sort_unstable_by_key(|&(a, _)| a);
         let mut chosen: Vec<Prepared<'_>> = Vec::new();
         let (mut nkeys, mut ndrop) = (0usize, 0i64);
-        for (a, ts) in look {
-            let ev = AmmRun::evaluate(ts, Some(pending), targets)?;
+        // Read every task's attributes first, in one tight loop: the reads
+        // are mostly cache misses, and the CPU overlaps those of neighbouring
+        // tasks there (~15-25% of the policy part on this machine).
+        let ahead: Vec<Option<Prefetched<'_>>> =
+            look.iter().map(|(_, ts)| Prefetched::read(ts)).collect();
+        for ((a, ts), ahead) in look.into_iter().zip(ahead) {
+            let ev = AmmRun::evaluate(ts, ahead, Some(pending), targets)?;
             // The scheduler keeps `replicated_tasks` = {tasks with 2+ holders}
             // (add_replica/remove_replica); `validate` checks it.
             if ev.n_holders < 2 {
@@ -394,7 +399,7 @@ fn check_against_full_scan(
     let mut missed = Vec::new();
     let mut full = 0usize;
     for ts in tasks.try_iter()? {
-        let ev = AmmRun::evaluate(ts?, Some(pending), targets)?;
+        let ev = AmmRun::evaluate(ts?, None, Some(pending), targets)?;
         if ev.ndrop > 0 {
             full += 1;
             if !ours.contains_key(&addr(&ev.ts)) {
