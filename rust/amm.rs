@@ -708,22 +708,25 @@ pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest], ndrop: &[i
     let droppable = |task: &DropRequest, h: u32| {
         !task.actor && !task.pending_drop.contains(&h) && !task.dependents.contains(&h)
     };
-    // Per task: None while unsettled, else the workers it drops from.
-    let mut settled: Vec<Option<Vec<u32>>> = vec![None; tasks.len()];
+    // Per task: None while unsettled, else the range of `drops` holding the
+    // workers it drops from.
+    let mut settled: Vec<Option<std::ops::Range<usize>>> = vec![None; tasks.len()];
+    let mut drops: Vec<u32> = Vec::new();
     // A copy of the table on which settled tasks are run first (restored after each).
     let mut first: Option<WorkerTable> = None;
     let (mut scratch, mut dropped) = (Vec::new(), Vec::new());
     let mut cands: Vec<(bool, i64, i64, u32)> = Vec::new();
+    let mut newly: Vec<usize> = Vec::new();
     loop {
         // Upper bound of what the tasks may take off each worker (indexed by
         // worker: a run has few workers next to the tasks it looks at).
         let mut exposure = vec![0i64; table.len()];
-        for (task, drops) in tasks.iter().zip(&settled) {
+        for (task, range) in tasks.iter().zip(&settled) {
             let mut add = |h: u32| {
                 exposure[h as usize] = exposure[h as usize].saturating_add(task.nbytes);
             };
-            match drops {
-                Some(d) => d.iter().copied().for_each(&mut add),
+            match range {
+                Some(r) => drops[r.clone()].iter().copied().for_each(&mut add),
                 None => task
                     .holders
                     .iter()
@@ -732,7 +735,8 @@ pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest], ndrop: &[i
                     .for_each(&mut add),
             }
         }
-        let (mut progress, mut unsettled) = (false, false);
+        newly.clear();
+        let mut unsettled = false;
         for (i, task) in tasks.iter().enumerate() {
             if settled[i].is_some() {
                 continue;
@@ -758,23 +762,27 @@ pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest], ndrop: &[i
                 let fixed_tie = c.1 == c.2 && o.1 == o.2; // neither moves: index decides
                 c.0 != o.0 || fixed_tie || c.2 > o.1
             });
-            if !holds {
+            if holds {
+                newly.push(i);
+            } else {
                 unsettled = true;
-                continue;
             }
-            let t = first.get_or_insert_with(|| table.clone());
-            reduce_task_into(t, task, ndrop[i], &mut scratch, &mut dropped);
-            for &w in &dropped {
-                t.set_memory(w, table.memory(w));
-            }
-            settled[i] = Some(dropped.clone());
-            progress = true;
         }
         if !unsettled {
             return true;
         }
-        if !progress {
+        if newly.is_empty() {
             return false;
+        }
+        // What the newly settled tasks drop, run first (on a copy of the table).
+        let t = first.get_or_insert_with(|| table.clone());
+        for &i in &newly {
+            reduce_task_into(t, tasks[i], ndrop[i], &mut scratch, &mut dropped);
+            for &w in &dropped {
+                t.set_memory(w, table.memory(w));
+            }
+            settled[i] = Some(drops.len()..drops.len() + dropped.len());
+            drops.extend_from_slice(&dropped);
         }
     }
 }

@@ -433,21 +433,27 @@ impl TrackerHub {
         py: Python<'_>,
         mut f: impl FnMut(&mut ReplicaTracker) -> PyResult<()>,
     ) -> PyResult<()> {
-        // Live trackers are few (one per manager); collect them first so
-        // that no lock is held while a tracker works.
-        let live: Vec<Bound<'_, PyAny>> = {
+        // Live trackers are few (one per manager): up to four are collected
+        // without allocating (this runs on every replica change), so that no
+        // lock is held while a tracker works.
+        let mut live: [Option<Bound<'_, PyAny>>; 4] = Default::default();
+        let mut more = Vec::new();
+        {
             let mut trackers = self.trackers.lock().unwrap_or_else(|e| e.into_inner());
-            let mut live = Vec::with_capacity(trackers.len());
+            let mut n = 0;
             trackers.retain(|r| match r.bind(py).upgrade() {
                 Some(t) => {
-                    live.push(t);
+                    match live.get_mut(n) {
+                        Some(slot) => *slot = Some(t),
+                        None => more.push(t),
+                    }
+                    n += 1;
                     true
                 }
                 None => false,
             });
-            live
-        };
-        for t in live {
+        }
+        for t in live.into_iter().flatten().chain(more) {
             let mut tracker = t.cast::<ReplicaTracker>()?.try_borrow_mut()?;
             f(&mut tracker)?;
         }

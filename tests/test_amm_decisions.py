@@ -574,3 +574,30 @@ def test_many_over_replicated_tasks_mean_full_scans_until_few() -> None:
         assert s.take() == stock_dec
         seen.append((amm._tracker.last_run[0], len(stock_dec)))
     assert seen == [(True, 16_500), (True, 0), (False, 0)]
+
+
+def test_tracker_hub_reports_to_every_live_tracker() -> None:
+    """The scheduler hooks' hub holds trackers weakly, however many there are (the
+    first four without allocating), and reports each change to every live one."""
+    from dask_shm._core import ReplicaTracker, TrackerHub
+
+    s = FakeScheduler()
+    a = s.add_worker("a", 1)
+    ts = s.add_task("x", 1, [a])  # not replicated: only a report makes a run look
+    hub = TrackerHub()
+    trackers = [ReplicaTracker() for _ in range(6)]
+    for tracker in trackers:
+        hub.add(tracker)
+    assert len(hub) == 6
+    del trackers[0]
+    assert len(hub) == 5
+    run = AmmRun.read_workers(s.workers.values(), s.running, Status.running, "optimistic")
+    for tracker in trackers:  # a first, full run each: then changes are tracked
+        run.reduce_replicas_tracked(tracker, s.replicated_tasks, {})
+    for tracker in trackers:
+        run.reduce_replicas_tracked(tracker, s.replicated_tasks, {})
+        assert tracker.last_run[:2] == (False, 0)
+    hub.touch(ts)
+    for tracker in trackers:
+        run.reduce_replicas_tracked(tracker, s.replicated_tasks, {})
+        assert tracker.last_run[:2] == (False, 1)
