@@ -126,6 +126,73 @@ pub fn excess_replicas(n_holders: i64, keep: i64, pending_repl: i64, pending_dro
     n_holders - keep + pending_repl - pending_drop
 }
 
+/// A measure of `distributed.scheduler.MemoryState`, the per-worker figure
+/// the AMM compares (`distributed.scheduler.active-memory-manager.measure`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    Process,
+    Managed,
+    Spilled,
+    UnmanagedOld,
+    ManagedTotal,
+    Unmanaged,
+    UnmanagedRecent,
+    Optimistic,
+}
+
+impl Measure {
+    /// The measure named like the `MemoryState` attribute; None if unknown.
+    pub fn from_name(name: &str) -> Option<Measure> {
+        Some(match name {
+            "process" => Measure::Process,
+            "managed" => Measure::Managed,
+            "spilled" => Measure::Spilled,
+            "unmanaged_old" => Measure::UnmanagedOld,
+            "managed_total" => Measure::ManagedTotal,
+            "unmanaged" => Measure::Unmanaged,
+            "unmanaged_recent" => Measure::UnmanagedRecent,
+            "optimistic" => Measure::Optimistic,
+            _ => return None,
+        })
+    }
+}
+
+/// What `WorkerState.memory` is computed from: `metrics["memory"]`,
+/// `nbytes`, `metrics["spilled_bytes"]["memory"]` / `["disk"]` and
+/// `_memory_unmanaged_old`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryInputs {
+    pub process: i64,
+    pub nbytes: i64,
+    pub spilled_memory: i64,
+    pub spilled_disk: i64,
+    pub unmanaged_old: i64,
+}
+
+/// `getattr(ws.memory, measure)` as `distributed` computes it
+/// (`WorkerState.memory` builds a `MemoryState`, which clamps managed memory
+/// to the process memory and old unmanaged memory to what is left). None if
+/// an intermediate overflows i64 (the caller then asks Python).
+pub fn memory_measure(measure: Measure, m: &MemoryInputs) -> Option<i64> {
+    let managed = m
+        .nbytes
+        .checked_sub(m.spilled_memory)?
+        .max(0)
+        .min(m.process);
+    let unmanaged = m.process.checked_sub(managed)?;
+    let unmanaged_old = m.unmanaged_old.min(unmanaged);
+    match measure {
+        Measure::Process => Some(m.process),
+        Measure::Managed => Some(managed),
+        Measure::Spilled => Some(m.spilled_disk),
+        Measure::UnmanagedOld => Some(unmanaged_old),
+        Measure::ManagedTotal => managed.checked_add(m.spilled_disk),
+        Measure::Unmanaged => Some(unmanaged),
+        Measure::UnmanagedRecent => unmanaged.checked_sub(unmanaged_old),
+        Measure::Optimistic => managed.checked_add(unmanaged_old),
+    }
+}
+
 // Scratch flag bits, set for the duration of one query and cleared after it.
 const HOLDER: u8 = 2;
 const CANDIDATE: u8 = 4;
@@ -139,8 +206,9 @@ pub struct WorkerTable {
     memory: Vec<i64>,
     running: Vec<bool>,
     eligible: Vec<bool>,
-    /// Workers that may receive replicas, ordered by `(memory, index)`.
-    by_memory: BTreeSet<(i64, u32)>,
+    /// Workers that may receive replicas, ordered by `(memory, index)`; built
+    /// on the first recipient query (a run that only drops never needs it).
+    by_memory: Option<BTreeSet<(i64, u32)>>,
     flags: Vec<u8>,
 }
 
@@ -163,18 +231,25 @@ impl WorkerTable {
             "memory/eligible length mismatch"
         );
         assert!(u32::try_from(memory.len()).is_ok(), "too many workers");
-        let by_memory = (0..memory.len())
-            .filter(|&w| eligible[w])
-            .map(|w| (memory[w], w as u32))
-            .collect();
         let flags = vec![0; memory.len()];
         WorkerTable {
             memory,
             running,
             eligible,
-            by_memory,
+            by_memory: None,
             flags,
         }
+    }
+
+    /// The ordered index of eligible workers, built if not yet.
+    fn index(&mut self) -> &BTreeSet<(i64, u32)> {
+        let (memory, eligible) = (&self.memory, &self.eligible);
+        self.by_memory.get_or_insert_with(|| {
+            (0..memory.len())
+                .filter(|&w| eligible[w])
+                .map(|w| (memory[w], w as u32))
+                .collect()
+        })
     }
 
     /// Number of workers in the table.
@@ -217,8 +292,10 @@ impl WorkerTable {
             return;
         }
         if self.eligible[wi] {
-            self.by_memory.remove(&(old, w));
-            self.by_memory.insert((value, w));
+            if let Some(index) = &mut self.by_memory {
+                index.remove(&(old, w));
+                index.insert((value, w));
+            }
         }
         self.memory[wi] = value;
     }
@@ -275,6 +352,9 @@ impl WorkerTable {
         if let Some(c) = candidates {
             self.check(c);
         }
+        if candidates.is_none() {
+            self.index();
+        }
         self.mark(holders, HOLDER);
         self.mark(pending, PENDING);
         let result = match candidates {
@@ -316,12 +396,17 @@ impl WorkerTable {
         }
     }
 
+    /// Needs the index built (`index`).
     fn recipient_any(&self) -> Result<u32, Reject> {
-        if self.by_memory.is_empty() {
+        let index = self
+            .by_memory
+            .as_ref()
+            .expect("index built before the walk");
+        if index.is_empty() {
             return Err(Reject::NoRunningCandidates);
         }
         let mut any_free = false;
-        for &(_, w) in &self.by_memory {
+        for &(_, w) in index {
             let f = self.flags[w as usize];
             if f & HOLDER != 0 {
                 continue;
@@ -600,60 +685,106 @@ pub fn retire_task(table: &mut WorkerTable, w: u32, task: &RetireRequest) -> Ret
     }
 }
 
-/// True if running [`reduce_task_into`] over `tasks` (each with any `ndrop`) gives
-/// the same drops in every order, so stock's order (the iteration order of
-/// `scheduler.replicated_tasks`) need not be known.
+/// True if running [`reduce_task_into`] over `tasks` (task `i` with
+/// `ndrop[i]` drops) gives the same drops in every order, so stock's order
+/// (the iteration order of `scheduler.replicated_tasks`) need not be known.
 ///
 /// Tasks interact only through the memory of the workers they may drop from
 /// (holders not pending a drop and without dependents processing there). The
-/// drops of one task are the top `ndrop` of its eligible holders by
-/// `(not running, memory)` at the time it runs; a later drop can lower a
-/// worker's memory by at most the sizes of the other tasks that may drop from
-/// it. If, for every task, the line between the holders it would drop from and
-/// those it would keep holds for any such lowering, no order can change any
-/// choice. Conservative: false means "maybe order-dependent".
-pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest]) -> bool {
+/// drops of one task are the top ones of its eligible holders by `(not
+/// running, memory)` at the time it runs; a later drop can lower a worker's
+/// memory by at most the sizes of the other tasks that may drop from it. If,
+/// for a task, the line between any two of its candidates holds for any such
+/// lowering, no order can change its choices: it is *settled*, and drops in
+/// every order exactly what it drops when run first. A settled task lowers
+/// only the workers it drops from, so the bound of the others shrinks; the
+/// check is repeated until every task is settled (true) or a round settles
+/// none (false). Conservative: false means "maybe order-dependent".
+pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest], ndrop: &[i64]) -> bool {
+    assert_eq!(tasks.len(), ndrop.len(), "tasks/ndrop length mismatch");
     if tasks.len() < 2 {
         return true;
     }
-    // Upper bound of what other tasks may take off each worker.
-    let mut exposure: std::collections::HashMap<u32, i64> = std::collections::HashMap::new();
     let droppable = |task: &DropRequest, h: u32| {
         !task.actor && !task.pending_drop.contains(&h) && !task.dependents.contains(&h)
     };
-    for task in tasks {
-        for &h in &task.holders {
-            if droppable(task, h) {
-                *exposure.entry(h).or_insert(0) += task.nbytes;
+    // Per task: None while unsettled, else the range of `drops` holding the
+    // workers it drops from.
+    let mut settled: Vec<Option<std::ops::Range<usize>>> = vec![None; tasks.len()];
+    let mut drops: Vec<u32> = Vec::new();
+    // A copy of the table on which settled tasks are run first (restored after each).
+    let mut first: Option<WorkerTable> = None;
+    let (mut scratch, mut dropped) = (Vec::new(), Vec::new());
+    let mut cands: Vec<(bool, i64, i64, u32)> = Vec::new();
+    let mut newly: Vec<usize> = Vec::new();
+    loop {
+        // Upper bound of what the tasks may take off each worker (indexed by
+        // worker: a run has few workers next to the tasks it looks at).
+        let mut exposure = vec![0i64; table.len()];
+        for (task, range) in tasks.iter().zip(&settled) {
+            let mut add = |h: u32| {
+                exposure[h as usize] = exposure[h as usize].saturating_add(task.nbytes);
+            };
+            match range {
+                Some(r) => drops[r.clone()].iter().copied().for_each(&mut add),
+                None => task
+                    .holders
+                    .iter()
+                    .copied()
+                    .filter(|&h| droppable(task, h))
+                    .for_each(&mut add),
             }
         }
-    }
-    let mut cands: Vec<(bool, i64, i64, u32)> = Vec::new();
-    for task in tasks {
-        cands.clear();
-        for &h in &task.holders {
-            if !droppable(task, h) {
+        newly.clear();
+        let mut unsettled = false;
+        for (i, task) in tasks.iter().enumerate() {
+            if settled[i].is_some() {
                 continue;
             }
-            let hi = table.memory(h);
-            let other = exposure.get(&h).copied().unwrap_or(0) - task.nbytes;
-            let lo = hi.saturating_sub(other).max(0);
-            cands.push((!table.running(h), hi, lo, h));
-        }
-        // Best first, as find_dropper ranks: (not running, memory) high, then index low.
-        cands.sort_unstable_by(|a, b| (b.0, b.1, a.3).cmp(&(a.0, a.1, b.3)));
-        // How many drops are accepted does not depend on order; which ones
-        // does unless the whole ranking holds under any lowering. Neighbours
-        // suffice (the bounds chain); running status outranks memory.
-        for pair in cands.windows(2) {
-            let (c, o) = (pair[0], pair[1]);
-            let fixed_tie = c.1 == c.2 && o.1 == o.2; // neither moves: index decides
-            if c.0 == o.0 && !fixed_tie && c.2 <= o.1 {
-                return false;
+            cands.clear();
+            for &h in &task.holders {
+                if !droppable(task, h) {
+                    continue;
+                }
+                let hi = table.memory(h);
+                // The task itself counts in `exposure` at each of its candidates.
+                let other = exposure[h as usize].saturating_sub(task.nbytes);
+                let lo = hi.saturating_sub(other).max(0);
+                cands.push((!table.running(h), hi, lo, h));
+            }
+            // Best first, as find_dropper ranks: (not running, memory) high, then index low.
+            cands.sort_unstable_by(|a, b| (b.0, b.1, a.3).cmp(&(a.0, a.1, b.3)));
+            // How many drops are accepted does not depend on order; which ones
+            // does unless the whole ranking holds under any lowering. Neighbours
+            // suffice (the bounds chain); running status outranks memory.
+            let holds = cands.windows(2).all(|pair| {
+                let (c, o) = (pair[0], pair[1]);
+                let fixed_tie = c.1 == c.2 && o.1 == o.2; // neither moves: index decides
+                c.0 != o.0 || fixed_tie || c.2 > o.1
+            });
+            if holds {
+                newly.push(i);
+            } else {
+                unsettled = true;
             }
         }
+        if !unsettled {
+            return true;
+        }
+        if newly.is_empty() {
+            return false;
+        }
+        // What the newly settled tasks drop, run first (on a copy of the table).
+        let t = first.get_or_insert_with(|| table.clone());
+        for &i in &newly {
+            reduce_task_into(t, tasks[i], ndrop[i], &mut scratch, &mut dropped);
+            for &w in &dropped {
+                t.set_memory(w, table.memory(w));
+            }
+            settled[i] = Some(drops.len()..drops.len() + dropped.len());
+            drops.extend_from_slice(&dropped);
+        }
     }
-    true
 }
 
 #[cfg(test)]
@@ -884,6 +1015,23 @@ mod tests {
         }
     }
 
+    /// Every order of `items` (few of them).
+    fn permutations(items: &[usize]) -> Vec<Vec<usize>> {
+        if items.len() <= 1 {
+            return vec![items.to_vec()];
+        }
+        let mut out = Vec::new();
+        for i in 0..items.len() {
+            let mut rest = items.to_vec();
+            let head = rest.remove(i);
+            for mut p in permutations(&rest) {
+                p.insert(0, head);
+                out.push(p);
+            }
+        }
+        out
+    }
+
     #[test]
     fn order_independence_is_conservative_on_random_batches() {
         // Whenever order_independent says yes, every order gives the same drops.
@@ -912,6 +1060,7 @@ mod tests {
                 })
                 .collect();
             let refs: Vec<&DropRequest> = tasks.iter().map(|(t, _)| t).collect();
+            let ndrops: Vec<i64> = tasks.iter().map(|(_, k)| *k).collect();
             let run = |order: &[usize]| {
                 let mut t = base.clone();
                 let mut out = vec![Vec::new(); tasks.len()];
@@ -922,11 +1071,13 @@ mod tests {
                 }
                 out
             };
-            let forward: Vec<usize> = (0..tasks.len()).collect();
-            let backward: Vec<usize> = forward.iter().rev().copied().collect();
-            if order_independent(&base, &refs) {
+            if order_independent(&base, &refs, &ndrops) {
                 yes += 1;
-                assert_eq!(run(&forward), run(&backward));
+                let forward: Vec<usize> = (0..tasks.len()).collect();
+                let want = run(&forward);
+                for order in permutations(&forward) {
+                    assert_eq!(run(&order), want, "order {order:?}");
+                }
             } else {
                 no += 1;
             }
@@ -949,6 +1100,10 @@ mod tests {
             let memory: Vec<i64> = (0..n).map(|_| next(8) as i64).collect();
             let running: Vec<bool> = (0..n).map(|_| next(4) != 0).collect();
             let mut t = table(&memory, &running);
+            // Drops before the first query: the index is built from them.
+            for _ in 0..next(3) {
+                t.drop_replica(next(n as u64) as u32, next(5) as i64);
+            }
             for _ in 0..20 {
                 let excl: Vec<u32> = (0..next(6)).map(|_| next(n as u64) as u32).collect();
                 let want = naive_recipient(&t, None, &excl);
@@ -958,5 +1113,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn memory_measure_clamps_as_memory_state() {
+        let m = |process, nbytes, spilled_memory, spilled_disk, unmanaged_old| MemoryInputs {
+            process,
+            nbytes,
+            spilled_memory,
+            spilled_disk,
+            unmanaged_old,
+        };
+        let all = |i: &MemoryInputs| {
+            [
+                "process",
+                "managed",
+                "spilled",
+                "unmanaged_old",
+                "managed_total",
+                "unmanaged",
+                "unmanaged_recent",
+                "optimistic",
+            ]
+            .map(|n| memory_measure(Measure::from_name(n).unwrap(), i).unwrap())
+        };
+        // process 100, managed 30, old unmanaged 20, spilled 7.
+        assert_eq!(
+            all(&m(100, 40, 10, 7, 20)),
+            [100, 30, 7, 20, 37, 70, 50, 50]
+        );
+        // managed above process is clamped to it; old unmanaged to what is left.
+        assert_eq!(all(&m(50, 80, 0, 0, 20)), [50, 50, 0, 0, 50, 0, 0, 50]);
+        // spilled-in-memory above nbytes: managed 0; old unmanaged up to process.
+        assert_eq!(all(&m(10, 5, 9, 1, 99)), [10, 0, 1, 10, 1, 10, 0, 10]);
+        assert_eq!(Measure::from_name("rss"), None);
+        assert_eq!(
+            memory_measure(Measure::Process, &m(0, i64::MIN, 1, 0, 0)),
+            None
+        );
     }
 }

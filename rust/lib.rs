@@ -32,6 +32,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_buffers::MappedFile>()?;
     m.add_class::<py_amm::AmmRun>()?;
     m.add_class::<py_amm_tracker::ReplicaTracker>()?;
+    m.add_class::<py_amm_tracker::TrackerHub>()?;
+    m.add_class::<py_amm_tracker::ReplicaHook>()?;
     m.add("AMM_REJECTIONS", py_amm::rejections(m.py())?)?;
     m.add("AMM_MAX_COUNTED_WAITERS", amm::MAX_COUNTED_WAITERS)?;
     m.add_function(wrap_pyfunction!(py_amm::replicas_to_keep, m)?)?;

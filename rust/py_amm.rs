@@ -20,9 +20,11 @@ use std::hash::{BuildHasherDefault, Hasher};
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySet, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PySet, PyTuple};
 
-use crate::amm::{self, DropRequest, Reject, RetireOutcome, RetireRequest, WorkerTable};
+use crate::amm::{
+    self, DropRequest, Measure, MemoryInputs, Reject, RetireOutcome, RetireRequest, WorkerTable,
+};
 use crate::py_amm_tracker::ReplicaTracker;
 
 /// Hasher for object addresses: one multiply (addresses are already unique).
@@ -46,6 +48,9 @@ impl Hasher for AddrHasher {
 pub(crate) type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
 
 type Entry<'py> = (Bound<'py, PySet>, Bound<'py, PySet>);
+
+/// `[replications, drops]`, each a list of `(worker, keys)`.
+type Grouped<'py> = [Vec<(Bound<'py, PyAny>, Vec<Bound<'py, PyAny>>)>; 2];
 
 /// The `(pending replications, pending drops)` entry of `ts`, created empty if
 /// absent (one hash of `ts`).
@@ -73,15 +78,47 @@ fn len_or_zero(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     }
 }
 
-/// Stock's `{waiter.processing_on or waiter for waiter in waiters}`, counted.
-fn waiter_places(waiters: &Bound<'_, PyAny>) -> PyResult<usize> {
+/// Where the waiters of one task are processing (`processing_on` of each
+/// waiter that has one, by address), gathered while counting their places,
+/// so that deciding the task's drops need not read the waiters again.
+#[derive(Clone, Copy)]
+pub(crate) struct WaitingOn {
+    on: [usize; amm::MAX_COUNTED_WAITERS],
+    len: usize,
+}
+
+impl WaitingOn {
+    fn new() -> Self {
+        WaitingOn {
+            on: [0; amm::MAX_COUNTED_WAITERS],
+            len: 0,
+        }
+    }
+
+    fn as_slice(&self) -> &[usize] {
+        &self.on[..self.len]
+    }
+}
+
+/// Stock's `{waiter.processing_on or waiter for waiter in waiters}`, counted;
+/// records where the waiters are processing in `waiting_on`.
+fn waiter_places(waiters: &Bound<'_, PyAny>, waiting_on: &mut WaitingOn) -> PyResult<usize> {
     // Only called below amm::MAX_COUNTED_WAITERS waiters: a stack array will do.
     let py = waiters.py();
     let mut places = [0usize; amm::MAX_COUNTED_WAITERS];
     let mut n = 0;
+    let too_many =
+        || pyo3::exceptions::PyRuntimeError::new_err("waiters changed size during the count");
     for waiter in waiters.try_iter()? {
         let waiter = waiter?;
         let on = waiter.getattr(intern!(py, "processing_on"))?;
+        if !on.is_none() {
+            if waiting_on.len == waiting_on.on.len() {
+                return Err(too_many());
+            }
+            waiting_on.on[waiting_on.len] = on.as_ptr() as usize;
+            waiting_on.len += 1;
+        }
         let id = if on.is_truthy()? {
             on.as_ptr()
         } else {
@@ -89,9 +126,7 @@ fn waiter_places(waiters: &Bound<'_, PyAny>) -> PyResult<usize> {
         } as usize;
         if !places[..n].contains(&id) {
             if n == places.len() {
-                return Err(pyo3::exceptions::PyRuntimeError::new_err(
-                    "waiters changed size during the count",
-                ));
+                return Err(too_many());
             }
             places[n] = id;
             n += 1;
@@ -100,19 +135,30 @@ fn waiter_places(waiters: &Bound<'_, PyAny>) -> PyResult<usize> {
     Ok(n)
 }
 
-/// `amm::replicas_to_keep` over a Python `waiters` set (or None).
-pub(crate) fn keep_for(desired: i64, waiters: &Bound<'_, PyAny>) -> PyResult<i64> {
+/// `amm::replicas_to_keep` over a Python `waiters` set (or None). Returns
+/// where the waiters are processing too when it had to look at them.
+fn keep_and_waiting_on(
+    desired: i64,
+    waiters: &Bound<'_, PyAny>,
+) -> PyResult<(i64, Option<WaitingOn>)> {
     let mut err = None;
+    let mut waiting_on = None;
     let keep = amm::replicas_to_keep(desired, len_or_zero(waiters)?, || {
-        waiter_places(waiters).unwrap_or_else(|e| {
+        let w = waiting_on.insert(WaitingOn::new());
+        waiter_places(waiters, w).unwrap_or_else(|e| {
             err = Some(e);
             0
         })
     });
     match err {
         Some(e) => Err(e),
-        None => Ok(keep),
+        None => Ok((keep, waiting_on)),
     }
+}
+
+/// `amm::replicas_to_keep` over a Python `waiters` set (or None).
+pub(crate) fn keep_for(desired: i64, waiters: &Bound<'_, PyAny>) -> PyResult<i64> {
+    Ok(keep_and_waiting_on(desired, waiters)?.0)
 }
 
 /// Number of replicas ReduceReplicas keeps for a task wanting `desired`
@@ -124,6 +170,52 @@ pub fn replicas_to_keep(desired: i64, waiters: &Bound<'_, PyAny>) -> PyResult<i6
     keep_for(desired, waiters)
 }
 
+/// `obj` as an i64 if it is exactly an int that fits (anything else: None).
+fn exact_i64(obj: &Bound<'_, PyAny>) -> Option<i64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        obj.extract().ok()
+    } else {
+        None
+    }
+}
+
+/// `dict[key]` of an exact dict, as an exact int; None otherwise.
+fn item_i64(dict: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>) -> Option<i64> {
+    exact_i64(&dict.get_item(key).ok()??)
+}
+
+/// What `WorkerState.memory` is computed from, read from a worker whose
+/// `metrics` and `metrics["spilled_bytes"]` are exact dicts and whose figures
+/// are exact ints; None for anything else (the caller then asks Python, which
+/// also raises what stock raises, e.g. KeyError for a worker without metrics).
+fn memory_inputs(ws: &Bound<'_, PyAny>) -> Option<MemoryInputs> {
+    let py = ws.py();
+    let metrics = ws.getattr(intern!(py, "metrics")).ok()?;
+    let metrics = metrics.cast_exact::<PyDict>().ok()?;
+    let spilled = metrics.get_item(intern!(py, "spilled_bytes")).ok()??;
+    let spilled = spilled.cast_exact::<PyDict>().ok()?;
+    Some(MemoryInputs {
+        process: item_i64(metrics, intern!(py, "memory"))?,
+        nbytes: exact_i64(&ws.getattr(intern!(py, "nbytes")).ok()?)?,
+        spilled_memory: item_i64(spilled, intern!(py, "memory"))?,
+        spilled_disk: item_i64(spilled, intern!(py, "disk"))?,
+        unmanaged_old: exact_i64(&ws.getattr(intern!(py, "_memory_unmanaged_old")).ok()?)?,
+    })
+}
+
+/// `getattr(ws.memory, measure)`, computed in Rust (`amm::memory_measure`)
+/// when `formula` holds and the inputs are plain, else by Python.
+fn worker_memory(ws: &Bound<'_, PyAny>, measure: &str, formula: Option<Measure>) -> PyResult<i64> {
+    if let Some(m) = formula {
+        if let Some(v) = memory_inputs(ws).and_then(|i| amm::memory_measure(m, &i)) {
+            return Ok(v);
+        }
+    }
+    ws.getattr(intern!(ws.py(), "memory"))?
+        .getattr(measure)?
+        .extract()
+}
+
 /// `{code: message}` of every rejection (see `amm::Reject`).
 pub fn rejections(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let out = PyDict::new(py);
@@ -131,6 +223,57 @@ pub fn rejections(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         out.set_item(r.code(), r.message())?;
     }
     Ok(out)
+}
+
+/// Ask the CPU to start loading `lines` cache lines of `obj` after its first
+/// (which the caller has just touched). A hint: no effect on results.
+#[inline]
+fn prefetch_lines(obj: &Bound<'_, PyAny>, lines: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let p = obj.as_ptr().cast::<i8>();
+        for i in 1..=lines {
+            // SAFETY: a prefetch never faults nor changes memory, whatever
+            // the address; `wrapping_add` makes no claim about it either.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * i)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (obj, lines);
+}
+
+/// The attributes ReduceReplicas reads from a task, read ahead of its
+/// evaluation: reading them for a batch of tasks in a tight loop lets the CPU
+/// fetch many tasks' objects at once (the reads are mostly cache misses).
+pub(crate) struct Prefetched<'py> {
+    who_has: Bound<'py, PyAny>,
+    waiters: Bound<'py, PyAny>,
+    actor: Bound<'py, PyAny>,
+    nbytes: Bound<'py, PyAny>,
+}
+
+impl<'py> Prefetched<'py> {
+    /// Read `ts`'s attributes and prefetch the small-set tables of `who_has`
+    /// and `waiters`; None if a read fails (the evaluation then reads them
+    /// itself, and raises where it would have).
+    pub(crate) fn read(ts: &Bound<'py, PyAny>) -> Option<Self> {
+        let py = ts.py();
+        let who_has = ts.getattr(intern!(py, "who_has")).ok()?;
+        let waiters = ts.getattr(intern!(py, "waiters")).ok()?;
+        let actor = ts.getattr(intern!(py, "actor")).ok()?;
+        let nbytes = ts.getattr(intern!(py, "nbytes")).ok()?;
+        // A set of up to 5 items keeps them inside the object (CPython's
+        // `smalltable`, the 2nd to 4th cache lines).
+        prefetch_lines(&who_has, 3);
+        prefetch_lines(&waiters, 3);
+        Some(Prefetched {
+            who_has,
+            waiters,
+            actor,
+            nbytes,
+        })
+    }
 }
 
 /// ReduceReplicas' look at one task: how many drops it suggests.
@@ -141,6 +284,10 @@ pub(crate) struct Evaluated<'py> {
     /// Drops suggested ignoring this run's pending actions (> 0: over-replicated).
     pub base_excess: i64,
     existing: Option<Bound<'py, PyAny>>,
+    /// Where the waiters are processing, if they were read.
+    waiting_on: Option<WaitingOn>,
+    /// `ts.actor` and `ts.nbytes`, if read ahead.
+    actor_nbytes: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
     /// Drops suggested in this run.
     pub ndrop: i64,
 }
@@ -167,8 +314,9 @@ pub struct AmmRun {
     /// Tasks a deferring bulk policy suggested something for that had no
     /// `pending` entry (stock would have created one for each).
     deferred_tasks: usize,
-    /// Buffers reused across the tasks of a run: (scratch, dropped).
-    buffers: (Vec<u32>, Vec<u32>),
+    /// Buffers reused across the tasks of a run: (scratch, dropped, the
+    /// droppers' addresses).
+    buffers: (Vec<u32>, Vec<u32>, Vec<usize>),
 }
 
 impl AmmRun {
@@ -252,7 +400,7 @@ impl AmmRun {
     }
 
     /// Record an accepted action in its `pending` set, or, without one, in the
-    /// deferred log (enacted by `group_actions` like the `pending` entries).
+    /// deferred log (enacted by `enact` like the `pending` entries).
     fn record(
         &mut self,
         set: Option<&Bound<'_, PySet>>,
@@ -291,19 +439,28 @@ impl AmmRun {
 
     /// ReduceReplicas' count for `ts` (no side effects): `targets` gives the
     /// desired replicas (default 1); this run's `pending` actions count.
+    /// `ahead`: the task's attributes, if read ahead (`Prefetched::read`).
     pub(crate) fn evaluate<'py>(
         ts: Bound<'py, PyAny>,
+        ahead: Option<Prefetched<'py>>,
         pending: Option<&Bound<'py, PyDict>>,
         targets: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Evaluated<'py>> {
         let py = ts.py();
-        let who_has = ts.getattr(intern!(py, "who_has"))?;
+        let (who_has, waiters, actor_nbytes) = match ahead {
+            Some(a) => (a.who_has, Some(a.waiters), Some((a.actor, a.nbytes))),
+            None => (ts.getattr(intern!(py, "who_has"))?, None, None),
+        };
         let n_holders = len_or_zero(&who_has)? as i64;
         let desired: i64 = match targets.map(|t| t.get_item(&ts)).transpose()?.flatten() {
             Some(v) => v.extract()?,
             None => 1,
         };
-        let keep = keep_for(desired, &ts.getattr(intern!(py, "waiters"))?)?;
+        let waiters = match waiters {
+            Some(w) => w,
+            None => ts.getattr(intern!(py, "waiters"))?,
+        };
+        let (keep, waiting_on) = keep_and_waiting_on(desired, &waiters)?;
         let base_excess = amm::excess_replicas(n_holders, keep, 0, 0);
         let existing = match pending {
             Some(p) if !p.is_empty() => p.get_item(&ts)?,
@@ -322,6 +479,8 @@ impl AmmRun {
             n_holders,
             base_excess,
             existing,
+            waiting_on,
+            actor_nbytes,
             ndrop,
         })
     }
@@ -345,14 +504,26 @@ impl AmmRun {
         request.dependents.clear();
         request.n_holders = ev.n_holders;
         request.nbytes = 0;
-        request.actor = ev.n_holders == 0 || Self::is_actor(&ev.ts)?;
+        request.actor = ev.n_holders == 0
+            || match &ev.actor_nbytes {
+                Some((actor, _)) => actor.is_truthy()?,
+                None => Self::is_actor(&ev.ts)?,
+            };
         if !request.actor {
             self.positions_into(&ev.who_has, &mut request.holders)?;
             if let Some(set) = &drop_set {
                 self.positions_into(set.as_any(), &mut request.pending_drop)?;
             }
-            self.dependents_into(&ev.ts, &mut request.dependents)?;
-            request.nbytes = Self::nbytes(&ev.ts)?;
+            match &ev.waiting_on {
+                Some(w) => request
+                    .dependents
+                    .extend(w.as_slice().iter().filter_map(|a| self.index.get(a))),
+                None => self.dependents_into(&ev.ts, &mut request.dependents)?,
+            }
+            request.nbytes = match &ev.actor_nbytes {
+                Some((_, nbytes)) => nbytes.extract()?,
+                None => Self::nbytes(&ev.ts)?,
+            };
         }
         Ok(Prepared {
             ts: ev.ts,
@@ -365,8 +536,8 @@ impl AmmRun {
 
     /// Decide a prepared task (`amm::reduce_task`) and record its drops; with
     /// `addresses`, returns the addresses of the workers dropping it.
-    pub(crate) fn decide(&mut self, task: &Prepared<'_>, addresses: bool) -> PyResult<Vec<usize>> {
-        let (mut scratch, mut dropped) = std::mem::take(&mut self.buffers);
+    pub(crate) fn decide(&mut self, task: &Prepared<'_>, addresses: bool) -> PyResult<&[usize]> {
+        let (mut scratch, mut dropped, mut out) = std::mem::take(&mut self.buffers);
         amm::reduce_task_into(
             &mut self.table,
             &task.request,
@@ -374,14 +545,113 @@ impl AmmRun {
             &mut scratch,
             &mut dropped,
         );
-        let mut out = Vec::new();
-        for &w in &dropped {
-            self.record(task.drop_set.as_ref(), &task.ts, w, true)?;
+        out.clear();
+        let recorded = dropped.iter().try_for_each(|&w| {
             if addresses {
                 out.push(self.workers[w as usize].as_ptr() as usize);
             }
+            self.record(task.drop_set.as_ref(), &task.ts, w, true)
+        });
+        self.buffers = (scratch, dropped, out);
+        recorded?;
+        Ok(&self.buffers.2)
+    }
+
+    /// The accepted actions of `pending` and of the deferred log grouped by
+    /// worker, as stock enacts them: `[replications, drops]`, each a list of
+    /// `(worker, keys)` (the run's workers in order, then workers a policy put
+    /// in `pending` that are not part of the run). Tasks that lost all
+    /// replicas are skipped. With `validate`, raises AssertionError if an
+    /// action would drop the last replica, replicate onto a holder or drop
+    /// from a non-holder.
+    fn grouped<'py>(&self, pending: &Bound<'py, PyDict>, validate: bool) -> PyResult<Grouped<'py>> {
+        let py = pending.py();
+        let n = self.workers.len();
+        let mut repl: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
+        let mut drop: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
+        // Workers a policy put in `pending` that are not part of this run.
+        let mut foreign: Vec<(Bound<'py, PyAny>, bool, Vec<Bound<'py, PyAny>>)> = Vec::new();
+        for (ts, value) in pending.iter() {
+            let who_has = ts.getattr(intern!(py, "who_has"))?;
+            if who_has.is_none() || !who_has.is_truthy()? {
+                continue;
+            }
+            let (repl_set, drop_set) = split_entry(&value)?;
+            if repl_set.is_empty() && drop_set.is_empty() {
+                continue;
+            }
+            if validate {
+                let mut keeps = false;
+                for h in who_has.try_iter()? {
+                    if !drop_set.contains(h?)? {
+                        keeps = true;
+                        break;
+                    }
+                }
+                if !keeps {
+                    return Err(PyAssertionError::new_err(format!(
+                        "would drop the last replica of {}",
+                        ts.repr()?
+                    )));
+                }
+            }
+            let key = ts.getattr(intern!(py, "key"))?;
+            for (set, lists, is_drop) in
+                [(&repl_set, &mut repl, false), (&drop_set, &mut drop, true)]
+            {
+                for ws in set.iter() {
+                    if validate && who_has.contains(&ws)? != is_drop {
+                        return Err(PyAssertionError::new_err(format!(
+                            "{} {} a replica of {}",
+                            ws.repr()?,
+                            if is_drop {
+                                "cannot drop"
+                            } else {
+                                "already holds"
+                            },
+                            ts.repr()?
+                        )));
+                    }
+                    match self.pos(&ws) {
+                        Some(p) => lists[p as usize].push(key.clone()),
+                        None => match foreign
+                            .iter_mut()
+                            .find(|(f, d, _)| f.is(&ws) && *d == is_drop)
+                        {
+                            Some((_, _, keys)) => keys.push(key.clone()),
+                            None => foreign.push((ws, is_drop, vec![key.clone()])),
+                        },
+                    }
+                }
+            }
         }
-        self.buffers = (scratch, dropped);
+        for (ts, w, is_drop) in &self.deferred {
+            let ts = ts.bind(py);
+            let who_has = ts.getattr(intern!(py, "who_has"))?;
+            if who_has.is_none() || !who_has.is_truthy()? {
+                continue;
+            }
+            if validate && who_has.contains(self.workers[*w as usize].bind(py))? != *is_drop {
+                return Err(PyAssertionError::new_err(format!(
+                    "invalid deferred action on {}",
+                    ts.repr()?
+                )));
+            }
+            let key = ts.getattr(intern!(py, "key"))?;
+            let lists = if *is_drop { &mut drop } else { &mut repl };
+            lists[*w as usize].push(key);
+        }
+        let mut out: Grouped<'py> = [Vec::new(), Vec::new()];
+        for (i, lists) in [repl, drop].into_iter().enumerate() {
+            for (w, keys) in lists.into_iter().enumerate() {
+                if !keys.is_empty() {
+                    out[i].push((self.workers[w].bind(py).clone(), keys));
+                }
+            }
+        }
+        for (ws, is_drop, keys) in foreign {
+            out[usize::from(is_drop)].push((ws, keys));
+        }
         Ok(out)
     }
 
@@ -423,8 +693,45 @@ impl AmmRun {
             last_reject: 0,
             deferred: Vec::new(),
             deferred_tasks: 0,
-            buffers: (Vec::new(), Vec::new()),
+            buffers: (Vec::new(), Vec::new(), Vec::new()),
         })
+    }
+
+    /// The run over `workers` (the scheduler's workers, in order) as they
+    /// are now, read in one pass: memory is `getattr(ws.memory, measure)`,
+    /// running is `ws.status == status_running`, eligible is `ws in running`.
+    /// With `worker_type`, the memory of workers of exactly that type is
+    /// computed in Rust from the inputs of `WorkerState.memory` (the caller
+    /// checks that the formula still matches `distributed`'s); other workers,
+    /// and unusual inputs, are asked from Python.
+    #[staticmethod]
+    #[pyo3(signature = (workers, running, status_running, measure, worker_type=None))]
+    fn read_workers(
+        workers: &Bound<'_, PyAny>,
+        running: &Bound<'_, PyAny>,
+        status_running: &Bound<'_, PyAny>,
+        measure: &str,
+        worker_type: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let formula = worker_type.and(Measure::from_name(measure));
+        let mut in_running: AddrMap<()> = AddrMap::default();
+        for ws in running.try_iter()? {
+            in_running.insert(ws?.as_ptr() as usize, ());
+        }
+        let mut list = Vec::new();
+        let (mut memory, mut is_running, mut eligible) = (Vec::new(), Vec::new(), Vec::new());
+        for ws in workers.try_iter()? {
+            let ws = ws?;
+            let exact = worker_type.is_some_and(|t| ws.get_type().is(t));
+            memory.push(worker_memory(&ws, measure, formula.filter(|_| exact))?);
+            let status = ws.getattr(intern!(ws.py(), "status"))?;
+            is_running.push(status.is(status_running) || status.eq(status_running)?);
+            // Identity first; `in` (hash and __eq__) only for the others.
+            eligible
+                .push(in_running.contains_key(&(ws.as_ptr() as usize)) || running.contains(&ws)?);
+            list.push(ws);
+        }
+        Self::new(list, memory, is_running, eligible)
     }
 
     fn __len__(&self) -> usize {
@@ -563,7 +870,7 @@ impl AmmRun {
         let (mut nkeys, mut ndrop) = (0usize, 0i64);
         let mut request = DropRequest::default();
         for ts in tasks.try_iter()? {
-            let ev = Self::evaluate(ts?, Some(pending), targets)?;
+            let ev = Self::evaluate(ts?, None, Some(pending), targets)?;
             if ev.ndrop > 0 {
                 nkeys += 1;
                 ndrop += ev.ndrop;
@@ -660,106 +967,51 @@ impl AmmRun {
         Ok((nrepl, nno_rec))
     }
 
-    /// Group the accepted actions of `pending` and of the deferred log by
-    /// worker, as stock enacts them:
-    /// tasks that lost all replicas are skipped. Returns `(replications,
-    /// drops)`, each a list of `(worker, [keys])`. With `validate`, raises
-    /// AssertionError if an action would drop the last replica, replicate onto
-    /// a holder or drop from a non-holder.
-    fn group_actions<'py>(
+    /// Send the accepted actions of `pending` and of the deferred log to the
+    /// workers as stock's `_enact_suggestions` does: grouped by worker
+    /// (`grouped`), each worker's replications through
+    /// `scheduler.request_acquire_replicas(address, keys, stimulus_id=...)`,
+    /// then each worker's drops through `request_remove_replicas`, each call
+    /// preceded by stock's DEBUG record on `logger` when one is given.
+    /// `validate`: see `grouped`.
+    #[pyo3(signature = (pending, scheduler, stimulus_id, validate, logger=None))]
+    fn enact(
         &self,
-        pending: &Bound<'py, PyDict>,
+        pending: &Bound<'_, PyDict>,
+        scheduler: &Bound<'_, PyAny>,
+        stimulus_id: &Bound<'_, PyAny>,
         validate: bool,
-    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        logger: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let py = pending.py();
-        let n = self.workers.len();
-        let mut repl: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
-        let mut drop: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
-        // Workers a policy put in `pending` that are not part of this run.
-        let mut foreign: Vec<(Bound<'py, PyAny>, bool, Vec<Bound<'py, PyAny>>)> = Vec::new();
-        for (ts, value) in pending.iter() {
-            let who_has = ts.getattr(intern!(py, "who_has"))?;
-            if who_has.is_none() || !who_has.is_truthy()? {
+        let [repl, drop] = self.grouped(pending, validate)?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(intern!(py, "stimulus_id"), stimulus_id)?;
+        let steps = [
+            (
+                repl,
+                intern!(py, "request_acquire_replicas"),
+                "- %s to acquire %d replicas",
+            ),
+            (
+                drop,
+                intern!(py, "request_remove_replicas"),
+                "- %s to drop %d replicas",
+            ),
+        ];
+        for (groups, method, message) in steps {
+            if groups.is_empty() {
                 continue;
             }
-            let (repl_set, drop_set) = split_entry(&value)?;
-            if repl_set.is_empty() && drop_set.is_empty() {
-                continue;
-            }
-            if validate {
-                let mut keeps = false;
-                for h in who_has.try_iter()? {
-                    if !drop_set.contains(h?)? {
-                        keeps = true;
-                        break;
-                    }
+            let request = scheduler.getattr(method)?;
+            for (ws, keys) in groups {
+                if let Some(logger) = logger {
+                    logger.call_method1(intern!(py, "debug"), (message, &ws, keys.len()))?;
                 }
-                if !keeps {
-                    return Err(PyAssertionError::new_err(format!(
-                        "would drop the last replica of {}",
-                        ts.repr()?
-                    )));
-                }
-            }
-            let key = ts.getattr(intern!(py, "key"))?;
-            for (set, lists, is_drop) in
-                [(&repl_set, &mut repl, false), (&drop_set, &mut drop, true)]
-            {
-                for ws in set.iter() {
-                    if validate && who_has.contains(&ws)? != is_drop {
-                        return Err(PyAssertionError::new_err(format!(
-                            "{} {} a replica of {}",
-                            ws.repr()?,
-                            if is_drop {
-                                "cannot drop"
-                            } else {
-                                "already holds"
-                            },
-                            ts.repr()?
-                        )));
-                    }
-                    match self.pos(&ws) {
-                        Some(p) => lists[p as usize].push(key.clone()),
-                        None => match foreign
-                            .iter_mut()
-                            .find(|(f, d, _)| f.is(&ws) && *d == is_drop)
-                        {
-                            Some((_, _, keys)) => keys.push(key.clone()),
-                            None => foreign.push((ws, is_drop, vec![key.clone()])),
-                        },
-                    }
-                }
+                let address = ws.getattr(intern!(py, "address"))?;
+                request.call((address, PyList::new(py, keys)?), Some(&kwargs))?;
             }
         }
-        for (ts, w, is_drop) in &self.deferred {
-            let ts = ts.bind(py);
-            let who_has = ts.getattr(intern!(py, "who_has"))?;
-            if who_has.is_none() || !who_has.is_truthy()? {
-                continue;
-            }
-            if validate && who_has.contains(self.workers[*w as usize].bind(py))? != *is_drop {
-                return Err(PyAssertionError::new_err(format!(
-                    "invalid deferred action on {}",
-                    ts.repr()?
-                )));
-            }
-            let key = ts.getattr(intern!(py, "key"))?;
-            let lists = if *is_drop { &mut drop } else { &mut repl };
-            lists[*w as usize].push(key);
-        }
-        let out_repl = PyList::empty(py);
-        let out_drop = PyList::empty(py);
-        for (lists, out) in [(repl, &out_repl), (drop, &out_drop)] {
-            for (w, keys) in lists.into_iter().enumerate() {
-                if !keys.is_empty() {
-                    out.append((self.workers[w].bind(py), PyList::new(py, keys)?))?;
-                }
-            }
-        }
-        for (ws, is_drop, keys) in foreign {
-            let out = if is_drop { &out_drop } else { &out_repl };
-            out.append((ws, PyList::new(py, keys)?))?;
-        }
-        Ok((out_repl, out_drop))
+        Ok(())
     }
 }

@@ -15,11 +15,14 @@ from typing import Any
 
 import distributed.active_memory_manager as stock
 import pytest
-from amm_state import FakeScheduler, random_state
+from amm_state import STATUSES, FakeScheduler, random_state
 from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
 from distributed.core import Status
+from distributed.scheduler import WorkerState
 
 import dask_shm.amm as ours
+from dask_shm._core import AmmRun
+from dask_shm.amm.extension import MEASURES, memory_formula_matches
 
 
 class OrderedPolicies(MutableSet):
@@ -220,6 +223,54 @@ def test_bad_measure_names_key() -> None:
         ours.ActiveMemoryManagerExtension(
             FakeScheduler(), policies=set(), register=False, start=False, measure="nope"
         )
+
+
+class _Int(int):
+    pass
+
+
+class _Dict(dict):
+    pass
+
+
+@pytest.mark.parametrize("measure", MEASURES)
+def test_worker_memory_read_in_rust_is_stocks(measure: str) -> None:
+    """``AmmRun.read_workers`` computes ``getattr(ws.memory, measure)`` in Rust: the
+    same figure as stock for every clamp of ``MemoryState``, and for inputs it leaves
+    to Python (an int subclass, a bool, a dict subclass, a huge int)."""
+    assert memory_formula_matches()
+    rng = random.Random(measure)
+    s = FakeScheduler()
+    for i in range(300):
+        ws = s.add_worker(f"w{i}", 0, rng.choice(STATUSES))
+        big = rng.choice([10, 1 << 20, 1 << 40])
+        ws.metrics = {
+            "memory": rng.randrange(big),
+            "spilled_bytes": {"memory": rng.randrange(big), "disk": rng.randrange(big)},
+        }
+        ws.nbytes = rng.randrange(big)
+        ws._memory_unmanaged_old = rng.randrange(big)
+    odd = list(s.workers.values())[:5]
+    odd[0].metrics["memory"] = _Int(7)
+    odd[1].metrics["spilled_bytes"]["disk"] = True
+    odd[2].metrics = _Dict(odd[2].metrics)
+    odd[3].metrics["spilled_bytes"] = _Dict(memory=1, disk=2)
+    odd[4].nbytes = 1 << 62
+    odd[4].metrics["spilled_bytes"]["memory"] = -(1 << 62)
+    run = AmmRun.read_workers(s.workers.values(), s.running, Status.running, measure, WorkerState)
+    for ws in s.workers.values():
+        assert run.memory(ws) == getattr(ws.memory, measure), ws
+        assert (ws in run) and (ws in s.running) == (ws.status == Status.running)
+
+
+def test_worker_without_metrics_raises_as_stock() -> None:
+    """A worker whose memory stock cannot read (no heartbeat metrics) fails the run in
+    both managers with the same KeyError."""
+    s = FakeScheduler()
+    s.add_worker("a", 1).metrics = {}
+    for cls in (stock.ActiveMemoryManagerExtension, ours.ActiveMemoryManagerExtension):
+        with pytest.raises(KeyError, match="memory"):
+            make(cls, s, [stock.ReduceReplicas()]).run_once()
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -424,8 +475,9 @@ def test_tracked_runs_same_decisions_over_random_changes(seed: int) -> None:
 
 
 def test_tracked_runs_exercise_both_orderings() -> None:
-    """Across random sequences, tracked runs both skip and need the pass that
-    recovers stock's order (the test above then proves both right)."""
+    """Across random sequences and bursts of new replicas (see the next test),
+    tracked runs both skip and need the pass that recovers stock's order (the
+    tests above and below then prove both right)."""
     seen = set()
     for seed in range(40):
         rng = random.Random(seed)
@@ -441,7 +493,34 @@ def test_tracked_runs_exercise_both_orderings() -> None:
             full, looked_at, ordered = amm._tracker.last_run
             if not full and looked_at:
                 seen.add(ordered)
+    for seed in range(5):
+        rng = random.Random(seed)
+        s = burst_state(rng)
+        amm = make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()])
+        for _ in range(6):
+            burst(rng, s)
+            s.apply_drops = True
+            amm.run_once()
+            s.apply_drops = False
+            s.take()
+            full, looked_at, ordered = amm._tracker.last_run
+            if not full and looked_at:
+                seen.add(ordered)
     assert seen == {True, False}
+
+
+def burst_state(rng: random.Random) -> FakeScheduler:
+    """A few workers, tens of tasks: room for bursts of order-dependent drops."""
+    return random_state(rng, nworkers=rng.randint(3, 5), ntasks=rng.randint(30, 60), p_waiters=0.1)
+
+
+def burst(rng: random.Random, s: FakeScheduler) -> None:
+    """New replicas of 10-30 random in-memory tasks on random workers, with sizes
+    close to the memory gaps between workers."""
+    workers = list(s.workers.values())
+    in_memory = [ts for ts in s.tasks.values() if ts.state == "memory" and ts.who_has]
+    for ts in rng.sample(in_memory, min(len(in_memory), rng.randint(10, 30))):
+        s.add_replica(ts, rng.choice(workers))
 
 
 def test_scheduler_without_hooks_scans_every_run() -> None:
@@ -463,13 +542,10 @@ def test_tracked_runs_same_decisions_when_order_matters(seed: int) -> None:
     many tasks get drops in one tracked run and their choices depend on the order
     they are decided in, which must be stock's."""
     rng = random.Random(seed)
-    s = random_state(rng, nworkers=rng.randint(3, 5), ntasks=rng.randint(30, 60), p_waiters=0.1)
-    workers = list(s.workers.values())
+    s = burst_state(rng)
     our_amm = make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()])
     for _ in range(6):
-        in_memory = [ts for ts in s.tasks.values() if ts.state == "memory" and ts.who_has]
-        for ts in rng.sample(in_memory, min(len(in_memory), rng.randint(10, 30))):
-            s.add_replica(ts, rng.choice(workers))
+        burst(rng, s)
         make(stock.ActiveMemoryManagerExtension, s, [stock.ReduceReplicas()]).run_once()
         stock_dec = s.take()
         s.apply_drops = True
@@ -498,3 +574,30 @@ def test_many_over_replicated_tasks_mean_full_scans_until_few() -> None:
         assert s.take() == stock_dec
         seen.append((amm._tracker.last_run[0], len(stock_dec)))
     assert seen == [(True, 16_500), (True, 0), (False, 0)]
+
+
+def test_tracker_hub_reports_to_every_live_tracker() -> None:
+    """The scheduler hooks' hub holds trackers weakly, however many there are (the
+    first four without allocating), and reports each change to every live one."""
+    from dask_shm._core import ReplicaTracker, TrackerHub
+
+    s = FakeScheduler()
+    a = s.add_worker("a", 1)
+    ts = s.add_task("x", 1, [a])  # not replicated: only a report makes a run look
+    hub = TrackerHub()
+    trackers = [ReplicaTracker() for _ in range(6)]
+    for tracker in trackers:
+        hub.add(tracker)
+    assert len(hub) == 6
+    del trackers[0]
+    assert len(hub) == 5
+    run = AmmRun.read_workers(s.workers.values(), s.running, Status.running, "optimistic")
+    for tracker in trackers:  # a first, full run each: then changes are tracked
+        run.reduce_replicas_tracked(tracker, s.replicated_tasks, {})
+    for tracker in trackers:
+        run.reduce_replicas_tracked(tracker, s.replicated_tasks, {})
+        assert tracker.last_run[:2] == (False, 0)
+    hub.touch(ts)
+    for tracker in trackers:
+        run.reduce_replicas_tracked(tracker, s.replicated_tasks, {})
+        assert tracker.last_run[:2] == (False, 1)

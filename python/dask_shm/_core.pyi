@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension module ``dask_shm._core``."""
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from os import PathLike
 from typing import Any, final
 
@@ -191,6 +191,33 @@ class ReplicaTracker:
         """(full scan, tasks looked at, ordered by a pass over replicated_tasks)."""
 
 @final
+class TrackerHub:
+    """The ReplicaTrackers of one scheduler, held weakly; the scheduler's hooks
+    report replica changes to it, and it to each live tracker."""
+
+    def __init__(self) -> None: ...
+    def add(self, tracker: ReplicaTracker) -> None: ...
+    def __len__(self) -> int:
+        """Number of live trackers."""
+    def touch(self, ts: Any) -> None: ...
+    def touch_removed(self, ts: Any, ws: Any) -> None: ...
+    def touch_dependencies(self, ts: Any) -> None: ...
+
+@final
+class ReplicaHook:
+    """Scheduler method ``name`` (``add_replica``, ``remove_replica``,
+    ``remove_all_replicas`` or ``send_task_to_worker``), wrapped to report each
+    call to ``hub`` before running ``original`` with the same arguments.
+    ValueError for any other name."""
+
+    def __init__(self, name: str, original: Any, hub: TrackerHub) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    @property
+    def __name__(self) -> str: ...
+    @property
+    def __wrapped__(self) -> Any: ...
+
+@final
 class AmmRun:
     """One Active Memory Manager run: the run's workers and their Rust table.
 
@@ -209,6 +236,20 @@ class AmmRun:
         eligible: list[bool],
     ) -> None:
         """Raises ValueError if lengths differ or a worker is listed twice."""
+    @staticmethod
+    def read_workers(
+        workers: Iterable[Any],
+        running: Collection[Any],
+        status_running: Any,
+        measure: str,
+        worker_type: type | None = None,
+    ) -> AmmRun:
+        """The run over the scheduler's ``workers`` (in order) as they are now:
+        memory ``getattr(ws.memory, measure)``, running ``ws.status ==
+        status_running``, eligible ``ws in running``. With ``worker_type``, the
+        memory of workers of exactly that type is computed in Rust from what
+        ``WorkerState.memory`` reads (plain dicts and ints; anything else is asked
+        from Python)."""
     def __len__(self) -> int: ...
     def __contains__(self, ws: object) -> bool: ...
     @property
@@ -237,7 +278,7 @@ class AmmRun:
         defer: bool = False,
     ) -> tuple[int, int]:
         """Stock ReduceReplicas in one pass; returns (tasks suggested, drops suggested).
-        ``defer``: new accepted actions are kept for ``group_actions`` instead of
+        ``defer``: new accepted actions are kept for ``enact`` instead of
         ``pending`` (for the last policy of a run)."""
     def reduce_replicas_tracked(
         self,
@@ -255,11 +296,19 @@ class AmmRun:
         self, ws: Any, pending: dict[Any, Any], defer: bool = False
     ) -> tuple[int, int]:
         """Stock RetireWorker in one pass; returns (keys to move, keys without recipient)."""
-    def group_actions(
-        self, pending: dict[Any, Any], validate: bool
-    ) -> tuple[list[tuple[Any, list[Any]]], list[tuple[Any, list[Any]]]]:
-        """Accepted (replications, drops) by worker; AssertionError on invalid ones
-        when ``validate``."""
+    def enact(
+        self,
+        pending: dict[Any, Any],
+        scheduler: Any,
+        stimulus_id: str,
+        validate: bool,
+        logger: Any | None = None,
+    ) -> None:
+        """Send the accepted actions (``pending`` and deferred) grouped by worker:
+        ``scheduler.request_acquire_replicas`` per worker, then
+        ``request_remove_replicas``, each preceded by stock's DEBUG record on
+        ``logger`` if given. ``validate``: AssertionError on an action that would
+        drop the last replica, replicate onto a holder or drop from a non-holder."""
 
 def read_peer_file(
     root: str | PathLike[str], path: str | PathLike[str], size: int

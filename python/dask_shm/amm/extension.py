@@ -6,14 +6,18 @@ its constructor, configuration (``distributed.scheduler.active-memory-manager.*`
 What changes is one run:
 
 - the per-run worker table (memory downstream of accepted actions, running status,
-  eligibility as a recipient) lives in :class:`dask_shm._core.AmmRun`, which
-  answers "find recipient" by walking an ordered index over memory and "find dropper"
-  by scanning the holders only, so neither costs a pass over the whole cluster;
+  eligibility as a recipient) lives in :class:`dask_shm._core.AmmRun`, read from the
+  scheduler's workers in one Rust pass (``getattr(ws.memory, measure)`` computed in
+  Rust from what ``WorkerState.memory`` reads, see :func:`memory_formula_matches`),
+  which answers "find recipient" by walking an ordered index over memory and "find
+  dropper" by scanning the holders only, so neither costs a pass over the cluster;
 - the stock policies (``ReduceReplicas``, ``RetireWorker``, and ours) are executed in
   bulk: one Rust call walks the scheduler's objects, issuing exactly the suggestions
   the policy's generator would yield, in the same order, and deciding each at once;
 - any other policy goes through the generator protocol
-  (``choice = yield Suggestion(...)``) one suggestion at a time, as with stock.
+  (``choice = yield Suggestion(...)``) one suggestion at a time, as with stock;
+- the accepted actions are grouped by worker and sent by the Rust run
+  (``AmmRun.enact``), in the same calls and with the same log records as stock.
 
 Decisions equal stock's wherever stock's choice is unique. **Tie rule**: when several
 workers tie on stock's sort key (memory for recipients; not-running first, then memory,
@@ -26,6 +30,7 @@ During a run, ``pending`` is the same ``dict[TaskState, (set, set)]`` as stock's
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from collections.abc import Iterator, MutableMapping
@@ -35,12 +40,13 @@ import distributed.active_memory_manager as stock
 from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
 from distributed.core import Status
 from distributed.metrics import time
+from distributed.scheduler import WorkerState
 from distributed.utils import log_errors
 
 from dask_shm._core import AMM_REJECTIONS, AmmRun, ReplicaTracker
 
 if TYPE_CHECKING:
-    from distributed.scheduler import TaskState, WorkerState
+    from distributed.scheduler import TaskState
 
 #: Stock's loggers, with stock's messages: people configure exactly these to debug
 #: the AMM (``distributed.logging``), and distributed's own tests capture them.
@@ -62,6 +68,64 @@ def log_choice(
     if message:
         message = message.format(state=ts.state)
         task_logger.debug("(%s, %s, %s) rejected: %s", op, ts, candidates, message)
+
+
+#: The values ``distributed.scheduler.active-memory-manager.measure`` accepts.
+MEASURES = (
+    "process",
+    "managed",
+    "spilled",
+    "unmanaged_old",
+    "managed_total",
+    "unmanaged",
+    "unmanaged_recent",
+    "optimistic",
+)
+
+
+@functools.cache
+def memory_formula_matches() -> bool:
+    """Whether ``AmmRun.read_workers`` may compute ``getattr(ws.memory, measure)`` in
+    Rust (``amm::memory_measure``, a copy of ``WorkerState.memory``/``MemoryState``)
+    for this version of ``distributed``: checked once per process on workers whose
+    figures exercise every clamp, for every measure. False if any differs or the
+    check cannot run; the run then reads every worker's memory through Python."""
+    cases = [(100, 40, 10, 7, 20), (50, 80, 0, 0, 20), (10, 5, 9, 1, 99), (0, 0, 0, 0, 0)]
+    try:
+        for process, nbytes, spilled_memory, spilled_disk, unmanaged_old in cases:
+            ws = WorkerState(
+                address="tcp://dask-shm-memory-check:0",
+                status=Status.running,
+                pid=0,
+                name="dask-shm-memory-check",
+                nthreads=1,
+                memory_limit=0,
+                local_directory="",
+                nanny=None,
+                server_id="dask-shm-memory-check",
+            )
+            ws.metrics = {
+                "memory": process,
+                "spilled_bytes": {"memory": spilled_memory, "disk": spilled_disk},
+            }
+            ws.nbytes = nbytes
+            ws._memory_unmanaged_old = unmanaged_old
+            for measure in MEASURES:
+                run = AmmRun.read_workers([ws], [ws], Status.running, measure, WorkerState)
+                if run.memory(ws) != getattr(ws.memory, measure):
+                    return False
+    except Exception:  # a distributed whose WorkerState we do not know
+        return False
+    return True
+
+
+def check_workers_memory(run: AmmRun, measure: str) -> None:
+    """AssertionError unless the run's memory of every worker is stock's
+    ``getattr(ws.memory, measure)`` (``scheduler.validate``)."""
+    for ws in run.workers:
+        expected = getattr(ws.memory, measure)
+        actual = run.memory(ws)
+        assert actual == expected, f"{ws}: memory {actual}, stock reads {expected}"
 
 
 Pending = tuple[set["WorkerState"], set["WorkerState"]]
@@ -146,15 +210,15 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
         gc.disable()
         try:
             scheduler = self.scheduler
-            workers = list(scheduler.workers.values())
-            measure = self.measure
-            running = scheduler.running
-            self._run = AmmRun(
-                workers,
-                [getattr(ws.memory, measure) for ws in workers],
-                [ws.status == Status.running for ws in workers],
-                [ws in running for ws in workers],
+            self._run = AmmRun.read_workers(
+                scheduler.workers.values(),
+                scheduler.running,
+                Status.running,
+                self.measure,
+                WorkerState if memory_formula_matches() else None,
             )
+            if scheduler.validate:
+                check_workers_memory(self._run, self.measure)
             self.pending = {}
             self.workers_memory = WorkersMemory(self._run)
             try:
@@ -213,17 +277,17 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
 
     def _enact_suggestions(self) -> None:
         """Send every accepted replication and drop (in ``pending`` and deferred in
-        the Rust run) to its worker, one message per worker and kind. Returns
-        immediately. Nothing is logged when no task got a suggestion (as stock)."""
+        the Rust run) to its worker, one message per worker and kind, with stock's
+        log records (``AmmRun.enact``). Returns immediately. Nothing is logged when
+        no task got a suggestion (as stock)."""
         ntasks = len(self.pending) + self._run.deferred_tasks
         if not ntasks:
             return
         logger.debug("Enacting suggestions for %d tasks:", ntasks)
-        repl, drop = self._run.group_actions(self.pending, bool(self.scheduler.validate))
-        stimulus_id = f"active_memory_manager-{time()}"
-        for ws, keys in repl:
-            logger.debug("- %s to acquire %d replicas", ws, len(keys))
-            self.scheduler.request_acquire_replicas(ws.address, keys, stimulus_id=stimulus_id)
-        for ws, keys in drop:
-            logger.debug("- %s to drop %d replicas", ws, len(keys))
-            self.scheduler.request_remove_replicas(ws.address, keys, stimulus_id=stimulus_id)
+        self._run.enact(
+            self.pending,
+            self.scheduler,
+            f"active_memory_manager-{time()}",
+            bool(self.scheduler.validate),
+            logger if logger.isEnabledFor(logging.DEBUG) else None,
+        )

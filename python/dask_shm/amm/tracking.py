@@ -7,7 +7,8 @@ A task's count of replicas to drop (stock ``ReduceReplicas``) depends on its
   ``remove_all_replicas`` (task completion, ``add-keys`` from workers after a
   fetch, ``request_remove_replicas``, worker removal). A scheduler plugin would not
   see the ``add-keys`` ones (they are not transitions), so these three methods are
-  wrapped on the scheduler instance.
+  wrapped on the scheduler instance (by :class:`dask_shm._core.ReplicaHook`, in Rust:
+  they run on every replica change).
 - ``waiters`` of a task change when one of its dependents transitions, and a
   dependent's ``processing_on`` changes on its transitions or when work stealing
   moves it (``send_task_to_worker`` without a transition). So a
@@ -23,66 +24,42 @@ every tracked run is checked against a full scan (see
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dask_shm._core import ReplicaTracker
+from dask_shm._core import ReplicaHook, ReplicaTracker, TrackerHub
 
 #: Attribute of the scheduler holding its :class:`ReplicaHooks`.
 HOOKS_ATTRIBUTE = "_dask_shm_replica_hooks"
-_NEEDED = (
-    "add_replica",
-    "remove_replica",
-    "remove_all_replicas",
-    "send_task_to_worker",
-    "add_plugin",
-)
+#: The scheduler methods wrapped by a :class:`dask_shm._core.ReplicaHook`.
+HOOKED = ("add_replica", "remove_replica", "remove_all_replicas", "send_task_to_worker")
+_NEEDED = (*HOOKED, "add_plugin")
 
 
 class ReplicaHooks(SchedulerPlugin):
     """Forwards replica and waiter changes of one scheduler to its trackers.
 
-    Trackers are held weakly: a manager's tracker stops receiving changes when the
-    manager is gone.
+    The scheduler methods are wrapped by :class:`dask_shm._core.ReplicaHook`
+    objects (Rust: they run on every replica change) reporting to ``hub``, a
+    :class:`dask_shm._core.TrackerHub` that holds the trackers weakly: a
+    manager's tracker stops receiving changes when the manager is gone.
     """
 
     name = "dask-shm-amm-replica-hooks"
 
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
-        # Plain weak references, not a WeakSet: iterating a WeakSet costs more
-        # than the touch itself, and this runs on every replica change.
-        self._trackers: list[weakref.ref[ReplicaTracker]] = []
+        self.hub = TrackerHub()
 
     def add(self, tracker: ReplicaTracker) -> None:
         """Send changes to ``tracker`` for as long as it lives."""
-        self._trackers.append(weakref.ref(tracker, self._trackers.remove))
-
-    def touch(self, ts: Any) -> None:
-        for ref in self._trackers:
-            tracker = ref()
-            if tracker is not None:
-                tracker.touch(ts)
-
-    def touch_removed(self, ts: Any, ws: Any) -> None:
-        for ref in self._trackers:
-            tracker = ref()
-            if tracker is not None:
-                tracker.touch_removed(ts, ws)
-
-    def touch_dependencies(self, ts: Any) -> None:
-        for ref in self._trackers:
-            tracker = ref()
-            if tracker is not None:
-                tracker.touch_dependencies(ts)
+        self.hub.add(tracker)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if self._trackers:
-            ts = self.scheduler.tasks.get(key)
-            if ts is not None:
-                self.touch_dependencies(ts)
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None:
+            self.hub.touch_dependencies(ts)
 
 
 def replica_hooks(scheduler: Any) -> ReplicaHooks | None:
@@ -94,30 +71,11 @@ def replica_hooks(scheduler: Any) -> ReplicaHooks | None:
     if not all(callable(getattr(scheduler, name, None)) for name in _NEEDED):
         return None
     hooks = ReplicaHooks(scheduler)
-    _wrap(scheduler, "add_replica", lambda ts, *_a, **_k: hooks.touch(ts))
-    _wrap(scheduler, "remove_replica", lambda ts, ws, *_a, **_k: hooks.touch_removed(ts, ws))
-    _wrap(scheduler, "remove_all_replicas", lambda ts, *_a, **_k: hooks.touch(ts))
-    _wrap(
-        scheduler,
-        "send_task_to_worker",
-        lambda _worker, ts, *_a, **_k: hooks.touch_dependencies(ts),
-    )
+    for name in HOOKED:
+        setattr(scheduler, name, ReplicaHook(name, getattr(scheduler, name), hooks.hub))
     scheduler.add_plugin(hooks, name=ReplicaHooks.name)
     setattr(scheduler, HOOKS_ATTRIBUTE, hooks)
     return hooks
-
-
-def _wrap(scheduler: Any, name: str, before: Any) -> None:
-    """Make ``scheduler.<name>`` call ``before`` with the same arguments first."""
-    original = getattr(scheduler, name)
-
-    def hooked(*args: Any, **kwargs: Any) -> Any:
-        before(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    hooked.__name__ = hooked.__qualname__ = name
-    hooked.__doc__ = original.__doc__
-    setattr(scheduler, name, hooked)
 
 
 def subscribe(scheduler: Any) -> ReplicaTracker | None:
