@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import random
-from collections.abc import Iterator, MutableSet
+from collections.abc import Callable, Iterator, MutableSet
 from typing import Any
 
 import distributed.active_memory_manager as stock
@@ -474,38 +474,41 @@ def test_tracked_runs_same_decisions_over_random_changes(seed: int) -> None:
     assert not any(full for full, _, _ in stats[1:])  # only the first run scans all
 
 
+def _orderings_seen(s: FakeScheduler, rounds: int, change: Callable[[], None]) -> set[bool]:
+    """Run a tracked ReduceReplicas ``rounds`` times, calling ``change``
+    before each; which orderings (by scan or not) its tracked runs needed."""
+    seen = set()
+    amm = make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()])
+    for _ in range(rounds):
+        change()
+        s.apply_drops = True
+        amm.run_once()
+        s.apply_drops = False
+        s.take()
+        full, looked_at, ordered = amm._tracker.last_run
+        if not full and looked_at:
+            seen.add(ordered)
+    return seen
+
+
 def test_tracked_runs_exercise_both_orderings() -> None:
     """Across random sequences and bursts of new replicas (see the next test),
     tracked runs both skip and need the pass that recovers stock's order (the
     tests above and below then prove both right)."""
-    seen = set()
+    seen: set[bool] = set()
     for seed in range(40):
         rng = random.Random(seed)
         s = random_state(rng, nworkers=rng.randint(2, 15), ntasks=rng.randint(5, 80))
-        amm = make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()])
-        for _ in range(8):
+
+        def some_changes(rng: random.Random = rng, s: FakeScheduler = s) -> None:
             for _ in range(rng.randint(1, 6)):
                 random_change(rng, s)
-            s.apply_drops = True
-            amm.run_once()
-            s.apply_drops = False
-            s.take()
-            full, looked_at, ordered = amm._tracker.last_run
-            if not full and looked_at:
-                seen.add(ordered)
+
+        seen |= _orderings_seen(s, 8, some_changes)
     for seed in range(5):
         rng = random.Random(seed)
         s = burst_state(rng)
-        amm = make(ours.ActiveMemoryManagerExtension, s, [ours.ReduceReplicas()])
-        for _ in range(6):
-            burst(rng, s)
-            s.apply_drops = True
-            amm.run_once()
-            s.apply_drops = False
-            s.take()
-            full, looked_at, ordered = amm._tracker.last_run
-            if not full and looked_at:
-                seen.add(ordered)
+        seen |= _orderings_seen(s, 6, lambda rng=rng, s=s: burst(rng, s))
     assert seen == {True, False}
 
 
