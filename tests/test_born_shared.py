@@ -493,6 +493,47 @@ def test_store_spill_of_a_born_array_meters_one_header_write(
     np.testing.assert_array_equal(store["x"], store["y"])
 
 
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a contiguous array of any dtype."""
+    return a.reshape(-1).view(np.uint8).reshape(-1)
+
+
+def test_arrays_of_one_kind_reuse_a_header_and_read_back_exactly(
+    arena: str, shm_dir: str, tmp_path: Any
+) -> None:
+    """The spill-file header of an array is remembered by dtype, shape,
+    strides and writeability: arrays of the same kind read back with their
+    own values, and structured dtypes of one item size (same ``dtype.str``)
+    or another shape never get another kind's header."""
+    store = _store(shm_dir, tmp_path)
+    pair = np.dtype([("a", "<f8"), ("b", "<f8")])
+    other = np.dtype([("x", "<i8"), ("y", "<f8")])
+    assert pair.str == other.str
+    made = {}
+    for i, (dtype, shape) in enumerate(
+        [
+            ("<f8", (MiB // 8,)),
+            ("<f8", (MiB // 8,)),
+            ("<f8", (MiB // 16, 2)),
+            (pair, (MiB // 16,)),
+            (other, (MiB // 16,)),
+            (">f8", (MiB // 8,)),
+        ]
+    ):
+        with born.allocating():
+            a = np.empty(shape, dtype=dtype)
+        _bytes(a)[:] = np.arange(a.nbytes, dtype=np.uint64).astype(np.uint8) + i
+        made[f"k{i}"] = a.copy()
+        store[f"k{i}"] = a
+        assert born.whole_block(a).sealed, "spilled without a copy"
+        del a
+    for key, expected in made.items():
+        value, backed = store.load(key)
+        assert backed
+        assert value.dtype == expected.dtype and value.shape == expected.shape
+        np.testing.assert_array_equal(_bytes(value), _bytes(expected))
+
+
 def test_adopt_into_respects_max_spill(arena: str, shm_dir: str, tmp_path: Any) -> None:
     from dask_shm.spill_store import MaxSpillExceeded
 

@@ -230,7 +230,9 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def seal(value: object, header: dict) -> str | None:
+def seal(
+    value: object, header: dict, *, block: Block | None = None, prefix: bytes | None = None
+) -> str | None:
     """Make the block holding ``value`` (a whole-block numpy array, see
     :func:`whole_block`) a complete spill file holding ``header`` and the
     array's bytes, immutable from now on (the owner's later writes are
@@ -239,11 +241,14 @@ def seal(value: object, header: dict) -> str | None:
     Returns the file's path, or None if ``value`` is not a whole block, the
     header does not fit, or the block was sealed with another header (the
     caller then writes a file the ordinary way). Raises OSError when the
-    system refuses (the block is unchanged)."""
-    block = whole_block(value)
+    system refuses (the block is unchanged).
+
+    ``block`` (:func:`whole_block` of ``value``) and ``prefix``
+    (:func:`file_prefix` of ``header``) spare looking them up again."""
+    block = block or whole_block(value)
     if block is None:
         return None
-    prefix = file_prefix(header, block.length)
+    prefix = prefix or file_prefix(header, block.length)
     if prefix is None:
         return None
     try:
@@ -252,11 +257,12 @@ def seal(value: object, header: dict) -> str | None:
         return None
 
 
-def disown(value: object, new_path: str) -> None:
+def disown(value: object, new_path: str, *, block: Block | None = None) -> None:
     """The sealed file of ``value``'s block now lives (also) at ``new_path``:
     the arena unlinks its own name and stops deleting the file on free.
-    Raises LookupError if ``value`` is not a sealed block."""
-    block = whole_block(value)
+    Raises LookupError if ``value`` is not a sealed block. ``block``:
+    :func:`whole_block` of ``value``, if the caller has it."""
+    block = block or whole_block(value)
     if block is None:
         raise LookupError("not a born-shared array")
     _core.born_disown(block.start, new_path)

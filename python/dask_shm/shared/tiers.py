@@ -30,6 +30,7 @@ store name, see ``spill_store.file_stem``); moved entries keep their tier-2 name
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import threading
@@ -50,6 +51,20 @@ def _is_full(e: OSError) -> bool:
     their message, as "(os error 28)")."""
     codes = (errno.ENOSPC, errno.EDQUOT)
     return e.errno in codes or any(f"(os error {c})" in str(e) for c in codes)
+
+
+@functools.lru_cache(maxsize=64)
+def _real_directory(directory: str) -> str:
+    """``os.path.realpath`` of a directory, remembered: the roots and the
+    directories files are adopted from are few and long-lived (a renamed or
+    re-pointed directory is still caught by the store's own checks when it
+    opens the file inside the root)."""
+    return os.path.realpath(directory)
+
+
+def _real_path(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(_real_directory(head), tail)
 
 
 class TieredFiles:
@@ -215,7 +230,7 @@ class TieredFiles:
         holds ``path``. Raises ForgedHandleError or OSError (as FileStore.adopt)."""
         tier3_root = self.roots[1]
         with self._lock:
-            if os.path.realpath(path).startswith(os.path.realpath(tier3_root) + os.sep):
+            if _real_path(path).startswith(_real_directory(tier3_root) + os.sep):
                 inner, disk = self.disk.adopt(tier3_root, path, size, stem, memory)
                 name = f"3:{inner}"
                 self._in_disk[name] = inner
