@@ -24,6 +24,8 @@ Benchmarks:
 - ``test_handoff``: a 1 GiB array made on worker A a moment ago, needed by a
   task on worker B of the same host (2 worker processes); the time is B's
   task, submit to result;
+- ``test_handoff_floor``: ``test_handoff`` with a 64-byte array on stock:
+  distributed's own round trip, the floor of every hand-off;
 - ``test_make_handoff_use``: make the array on A, use it (``sum``) on B, one
   timed round trip.
 
@@ -300,6 +302,30 @@ def test_handoff(benchmark: Any, impl: str, huge_root: str | None, ray_session: 
             client.cancel([probe])
             benchmark.pedantic(handoff, setup=setup, teardown=teardown, rounds=5, iterations=1)
     benchmark.extra_info["bytes"] = HANDOFF
+
+
+def test_handoff_floor(benchmark: Any) -> None:
+    """What ``test_handoff`` measures with a 64-byte array on stock: the
+    scheduler round trip of a task with one dependency on the other worker,
+    which no hand-off can go below (hence the ratio it bounds)."""
+    benchmark.group = "hand-off floor: the same task with a 64-byte dependency (stock)"
+    with dask.config.set(CLUSTER_CONFIG):
+        cluster, client, a, b = _cluster("stock", "/dev/shm")
+        with cluster, client:
+
+            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                on_a = client.submit(_make, 64, workers=[a], pure=False)
+                wait(on_a)
+                return (on_a,), {}
+
+            def handoff(on_a: Any) -> None:
+                client.submit(operator.getitem, on_a, 0, workers=[b], pure=False).result()
+
+            def teardown(on_a: Any) -> None:
+                client.cancel([on_a])
+                _settle(client)
+
+            benchmark.pedantic(handoff, setup=setup, teardown=teardown, rounds=9, iterations=1)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
