@@ -158,7 +158,7 @@ def get(
         if kwargs.pop(name, None) is not None:
             raise TypeError(f"dask_shm.get does its own serialization; {name} is not supported")
     threshold = config.shm_threshold(shm_threshold)
-    config.recycle_bytes()  # a bad value is reported before anything starts
+    recycle_bytes = config.recycle_bytes()
     target = config.memory_target(memory_target) if cache is None else None
     chunksize = chunksize or dask_config.get("chunksize", 1)
     pool = pool or dask_config.get("pool", None)
@@ -181,7 +181,7 @@ def get(
             cache = stack.enter_context(SpillCache(target))
         shm = ShmDirectory()
         stack.callback(shm.close)
-        transport = Transport(shm.path, threshold, recycle_bytes=config.recycle_bytes())
+        transport = Transport(shm.path, threshold, recycle_bytes=recycle_bytes)
         stack.callback(transport.close)
 
         executor: Executor
