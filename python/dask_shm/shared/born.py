@@ -230,9 +230,7 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def seal(
-    value: object, header: dict, *, block: Block | None = None, prefix: bytes | None = None
-) -> str | None:
+def seal(value: object, header: dict) -> str | None:
     """Make the block holding ``value`` (a whole-block numpy array, see
     :func:`whole_block`) a complete spill file holding ``header`` and the
     array's bytes, immutable from now on (the owner's later writes are
@@ -241,16 +239,19 @@ def seal(
     Returns the file's path, or None if ``value`` is not a whole block, the
     header does not fit, or the block was sealed with another header (the
     caller then writes a file the ordinary way). Raises OSError when the
-    system refuses (the block is unchanged).
-
-    ``block`` (:func:`whole_block` of ``value``) and ``prefix``
-    (:func:`file_prefix` of ``header``) spare looking them up again."""
-    block = block or whole_block(value)
+    system refuses (the block is unchanged)."""
+    block = whole_block(value)
     if block is None:
         return None
-    prefix = prefix or file_prefix(header, block.length)
+    prefix = file_prefix(header, block.length)
     if prefix is None:
         return None
+    return seal_block(block, prefix)
+
+
+def seal_block(block: Block, prefix: bytes) -> str | None:
+    """:func:`seal` for a caller that has the block and its
+    :func:`file_prefix` already. Same results and errors."""
     try:
         return _core.born_seal(block.start, block.length, prefix)
     except (LookupError, FileExistsError):

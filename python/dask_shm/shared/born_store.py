@@ -35,7 +35,8 @@ def adopt_into(store: SharedSpillStore, key: Key, value: object) -> str | None:
     block = born.whole_block(value)
     if block is None:
         return None
-    prefix = _cached_prefix(value, block)
+    kind = _kind(value, block)
+    prefix = None if kind is None else _PREFIXES.get(kind)
     if prefix is None:
         header, frames = serialize_unsplit(value)
         if len(frames) != 1 or _core.buffer_address(frames[0]) != (block.start, block.length):
@@ -43,13 +44,16 @@ def adopt_into(store: SharedSpillStore, key: Key, value: object) -> str | None:
         prefix = born.file_prefix(header, block.length)
         if prefix is None:
             return None
-        _remember_prefix(value, block, prefix)
+        if kind is not None:
+            if len(_PREFIXES) >= _MAX_PREFIXES:
+                _PREFIXES.clear()
+            _PREFIXES[kind] = prefix
     size = _core.born_header_size() + block.length
     if store.max_weight is not False and store.files.total()[1] + size > store.max_weight:
         raise MaxSpillExceeded(key)
     if not store.tiers.enforce(size):
         return None  # no room in tier 2 even after moving files out: a tier-3 write
-    path = born.seal(value, {}, block=block, prefix=prefix)
+    path = born.seal_block(block, prefix)
     if path is None:
         return None
     name, _ = store.tiers.adopt(path, size, file_stem(key), safe_sizeof(value))
@@ -68,24 +72,9 @@ _PREFIXES: dict[tuple[Any, ...], bytes] = {}
 _MAX_PREFIXES = 256
 
 
-def _prefix_key(value: Any, block: born.Block) -> tuple[Any, ...] | None:
+def _kind(value: Any, block: born.Block) -> tuple[Any, ...] | None:
+    """What a C-contiguous array's prefix depends on; None for other arrays."""
     if not value.flags.c_contiguous:
         return None
     # the dtype itself, not its .str: structured dtypes of one size share a .str
     return (value.dtype, value.shape, value.strides, value.flags.writeable, block.length)
-
-
-def _cached_prefix(value: Any, block: born.Block) -> bytes | None:
-    key = _prefix_key(value, block)
-    if key is None:
-        return None
-    return _PREFIXES.get(key)
-
-
-def _remember_prefix(value: Any, block: born.Block, prefix: bytes) -> None:
-    key = _prefix_key(value, block)
-    if key is None:
-        return
-    if len(_PREFIXES) >= _MAX_PREFIXES:
-        _PREFIXES.clear()
-    _PREFIXES[key] = prefix
