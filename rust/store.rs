@@ -583,16 +583,22 @@ impl FileStore {
         let Some((sizes, private)) = self.ledger().remove_entry(name) else {
             return Ok(None);
         };
-        let path = self.path_of(name);
-        if private && self.pool.is_some() && self.recycle(&path) {
-            return Ok(Some(sizes));
+        self.pool_or_delete(&self.path_of(name), private)?;
+        Ok(Some(sizes))
+    }
+
+    /// Keep the file at `path` for reuse if `may_pool` and the pool takes it
+    /// (see `recycle`), else delete it (a missing file is not an error).
+    /// Returns whether it was pooled.
+    fn pool_or_delete(&self, path: &Path, may_pool: bool) -> io::Result<bool> {
+        if may_pool && self.pool.is_some() && self.recycle(path) {
+            return Ok(true);
         }
         match fs::remove_file(path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
+            Ok(()) => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
         }
-        Ok(Some(sizes))
     }
 
     /// Take the file `name` of this directory (an entry of this store, or a
@@ -604,15 +610,7 @@ impl FileStore {
     pub fn give_for_reuse(&self, name: &str) -> io::Result<bool> {
         check_name(name)?;
         self.ledger().remove_entry(name);
-        let path = self.path_of(name);
-        if self.pool.is_some() && self.recycle(&path) {
-            return Ok(true);
-        }
-        match fs::remove_file(path) {
-            Ok(()) => Ok(false),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
-        }
+        self.pool_or_delete(&self.path_of(name), true)
     }
 
     /// Accounted sizes of one entry (disk split among hard links if shared).
