@@ -284,24 +284,29 @@ def test_handoff(benchmark: Any, impl: str, huge_root: str | None, ray_session: 
     with dask.config.set(CLUSTER_CONFIG):
         cluster, client, a, b = _cluster(impl, root)
         with cluster, client:
-
-            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                on_a = client.submit(_make, HANDOFF, workers=[a], pure=False)
-                wait(on_a)
-                return (on_a,), {}
-
-            def handoff(on_a: Any) -> None:
-                client.submit(operator.getitem, on_a, 0, workers=[b], pure=False).result()
-
-            def teardown(on_a: Any) -> None:
-                client.cancel([on_a])
-                _settle(client)
-
             probe = client.submit(_make, 8 * MiB, workers=[a], pure=False)
             benchmark.extra_info["born_on_a"] = client.submit(_is_born, probe).result()
             client.cancel([probe])
-            benchmark.pedantic(handoff, setup=setup, teardown=teardown, rounds=5, iterations=1)
-    benchmark.extra_info["bytes"] = HANDOFF
+            _time_handoff(benchmark, client, a, b, HANDOFF, rounds=5)
+
+
+def _time_handoff(benchmark: Any, client: Client, a: str, b: str, nbytes: int, rounds: int) -> None:
+    """Time B's task on an array of ``nbytes`` made on A a moment before
+    (untimed), submit to result; the array is released after each round."""
+
+    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        on_a = client.submit(_make, nbytes, workers=[a], pure=False)
+        wait(on_a)
+        return (on_a,), {}
+
+    def handoff(on_a: Any) -> None:
+        client.submit(operator.getitem, on_a, 0, workers=[b], pure=False).result()
+
+    def teardown(on_a: Any) -> None:
+        client.cancel([on_a])
+        _settle(client)
+
+    benchmark.pedantic(handoff, setup=setup, teardown=teardown, rounds=rounds, iterations=1)
 
 
 def test_handoff_floor(benchmark: Any) -> None:
@@ -312,20 +317,7 @@ def test_handoff_floor(benchmark: Any) -> None:
     with dask.config.set(CLUSTER_CONFIG):
         cluster, client, a, b = _cluster("stock", "/dev/shm")
         with cluster, client:
-
-            def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
-                on_a = client.submit(_make, 64, workers=[a], pure=False)
-                wait(on_a)
-                return (on_a,), {}
-
-            def handoff(on_a: Any) -> None:
-                client.submit(operator.getitem, on_a, 0, workers=[b], pure=False).result()
-
-            def teardown(on_a: Any) -> None:
-                client.cancel([on_a])
-                _settle(client)
-
-            benchmark.pedantic(handoff, setup=setup, teardown=teardown, rounds=9, iterations=1)
+            _time_handoff(benchmark, client, a, b, 64, rounds=9)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
