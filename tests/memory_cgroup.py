@@ -117,22 +117,19 @@ def memory_cgroup(limit: int) -> Iterator[MemoryCgroup]:
     os.mkdir(path)
     cg = MemoryCgroup(version, path, limit)
     try:
-        if version == "v1":
-            with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-                f.write(str(limit))
-            try:
-                with open(os.path.join(path, "memory.swappiness"), "w") as f:
-                    f.write("0")
-            except OSError:
-                pass
-        else:
-            with open(os.path.join(path, "memory.max"), "w") as f:
-                f.write(str(limit))
-            try:
-                with open(os.path.join(path, "memory.swap.max"), "w") as f:
-                    f.write("0")
-            except OSError:
-                pass
+        # The limit, and no swap (where the kernel lets us say so).
+        limit_file, swap_file = (
+            ("memory.limit_in_bytes", "memory.swappiness")
+            if version == "v1"
+            else ("memory.max", "memory.swap.max")
+        )
+        with open(os.path.join(path, limit_file), "w") as f:
+            f.write(str(limit))
+        try:
+            with open(os.path.join(path, swap_file), "w") as f:
+                f.write("0")
+        except OSError:
+            pass
         yield cg
     finally:
         for _ in range(100):

@@ -43,6 +43,15 @@ def samples(family: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}  # type: ignore[attr-defined]
 
 
+def spilled_by_span(found: dict[str, object]) -> dict[str, float]:
+    """span_id -> bytes spilled, from the scheduler's span spill series."""
+    return {
+        dict(labels)["span_id"]: v
+        for (_, labels), v in samples(found["dask_scheduler_span_spill_bytes"]).items()
+        if dict(labels)["direction"] == "spill"
+    }
+
+
 async def fetch(port: int) -> str:
     from tornado.httpclient import AsyncHTTPClient
 
@@ -83,13 +92,7 @@ async def test_finished_spans_are_folded_into_one_series(c: Client, s: Scheduler
     await a.heartbeat()
 
     # Within the retention: each span has series of its own.
-    found = families(await fetch(s.http_server.port))
-    spill = samples(found["dask_scheduler_span_spill_bytes"])
-    per_span = {
-        dict(labels)["span_id"]: v
-        for (name, labels), v in spill.items()
-        if dict(labels)["direction"] == "spill"
-    }
+    per_span = spilled_by_span(families(await fetch(s.http_server.port)))
     assert set(spans_ids) <= set(per_span) and FOLDED not in per_span
     assert all(per_span[i] > 0 for i in spans_ids)
 
@@ -100,12 +103,7 @@ async def test_finished_spans_are_folded_into_one_series(c: Client, s: Scheduler
     await a.heartbeat()
     with dask.config.set({"shm.prometheus.span-retention": 0}):
         found = families(await fetch(s.http_server.port))
-    folded = samples(found["dask_scheduler_span_spill_bytes"])
-    after = {
-        dict(labels)["span_id"]: v
-        for (name, labels), v in folded.items()
-        if dict(labels)["direction"] == "spill"
-    }
+    after = spilled_by_span(found)
     assert not set(spans_ids) & set(after)
     assert after[FOLDED] == pytest.approx(sum(per_span[i] for i in spans_ids))
     assert found["dask_scheduler_span_spill_bytes"].type == "counter"  # type: ignore[attr-defined]
