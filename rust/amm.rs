@@ -694,8 +694,9 @@ pub fn retire_task(table: &mut WorkerTable, w: u32, task: &RetireRequest) -> Ret
 /// drops of one task are the top ones of its eligible holders by `(not
 /// running, memory)` at the time it runs; a later drop can lower a worker's
 /// memory by at most the sizes of the other tasks that may drop from it. If,
-/// for a task, the line between any two of its candidates holds for any such
-/// lowering, no order can change its choices: it is *settled*, and drops in
+/// for a task, each of its best `ndrop` candidates keeps its rank over the
+/// ones below it under any such lowering, no order can change its choices
+/// (which of them are accepted is counted, not ranked): it is *settled*, and drops in
 /// every order exactly what it drops when run first. A settled task lowers
 /// only the workers it drops from, so the bound of the others shrinks; the
 /// check is repeated until every task is settled (true) or a round settles
@@ -754,10 +755,14 @@ pub fn order_independent(table: &WorkerTable, tasks: &[&DropRequest], ndrop: &[i
             }
             // Best first, as find_dropper ranks: (not running, memory) high, then index low.
             cands.sort_unstable_by(|a, b| (b.0, b.1, a.3).cmp(&(a.0, a.1, b.3)));
-            // How many drops are accepted does not depend on order; which ones
-            // does unless the whole ranking holds under any lowering. Neighbours
-            // suffice (the bounds chain); running status outranks memory.
-            let holds = cands.windows(2).all(|pair| {
+            // How many drops are accepted (k <= ndrop) does not depend on order
+            // (only on counts); which ones does unless each of the first k
+            // candidates outranks the next under any lowering. Neighbours
+            // suffice (the bounds chain: lower candidates rank below the next
+            // one's upper bound); running status outranks memory. The ranking
+            // below the drops does not matter.
+            let prefix = usize::try_from(ndrop[i]).unwrap_or(0).min(cands.len());
+            let holds = cands.windows(2).take(prefix).all(|pair| {
                 let (c, o) = (pair[0], pair[1]);
                 let fixed_tie = c.1 == c.2 && o.1 == o.2; // neither moves: index decides
                 c.0 != o.0 || fixed_tie || c.2 > o.1
@@ -1043,7 +1048,7 @@ mod tests {
             (seed >> 33) % m
         };
         let (mut yes, mut no) = (0, 0);
-        for _ in 0..400 {
+        for _ in 0..4000 {
             let n = 2 + next(6) as usize;
             let memory: Vec<i64> = (0..n).map(|_| next(60) as i64).collect();
             let running: Vec<bool> = (0..n).map(|_| next(4) != 0).collect();
