@@ -15,6 +15,8 @@ mod py_amm_tracker;
 mod py_buffers;
 mod py_fs;
 mod py_local_transport;
+mod py_set_order;
+mod py_slots;
 mod py_store;
 mod py_tier;
 mod recycle;

@@ -26,6 +26,8 @@ use crate::amm::{
     self, DropRequest, Measure, MemoryInputs, Reject, RetireOutcome, RetireRequest, WorkerTable,
 };
 use crate::py_amm_tracker::ReplicaTracker;
+use crate::py_set_order::SetTable;
+use crate::py_slots::{prefetch_at, SlotOffsets};
 
 /// Hasher for object addresses: one multiply (addresses are already unique).
 #[derive(Default)]
@@ -70,7 +72,7 @@ fn split_entry<'py>(value: &Bound<'py, PyAny>) -> PyResult<Entry<'py>> {
 }
 
 /// `len(obj)`, 0 for None.
-fn len_or_zero(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+pub(crate) fn len_or_zero(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     if obj.is_none() {
         Ok(0)
     } else {
@@ -100,6 +102,39 @@ impl WaitingOn {
     }
 }
 
+/// Call `f` on each item of `obj` (an iterable). A small exact set is read
+/// from its table (see `py_set_order`) instead of through an iterator object.
+fn for_each_member<'py>(
+    obj: &Bound<'py, PyAny>,
+    mut f: impl FnMut(Bound<'py, PyAny>) -> PyResult<()>,
+) -> PyResult<()> {
+    const SMALL: usize = 8;
+    let mut items = [0usize; SMALL];
+    let mut n = 0;
+    let small = SetTable::of(obj).is_some_and(|table| {
+        table.addresses().all(|a| {
+            let room = n < SMALL;
+            if room {
+                items[n] = a;
+                n += 1;
+            }
+            room
+        })
+    });
+    if !small {
+        return obj.try_iter()?.try_for_each(|item| f(item?));
+    }
+    // Strong references first, then `f` (which may run Python code).
+    // SAFETY: each address is an item of the set, which holds a reference to
+    // it, and no Python code ran since the table was read.
+    let owned: [Option<Bound<'py, PyAny>>; SMALL] = std::array::from_fn(|i| {
+        (i < n).then(|| unsafe {
+            Bound::from_borrowed_ptr(obj.py(), items[i] as *mut pyo3::ffi::PyObject)
+        })
+    });
+    owned.into_iter().flatten().try_for_each(f)
+}
+
 /// Stock's `{waiter.processing_on or waiter for waiter in waiters}`, counted;
 /// records where the waiters are processing in `waiting_on`.
 fn waiter_places(waiters: &Bound<'_, PyAny>, waiting_on: &mut WaitingOn) -> PyResult<usize> {
@@ -109,8 +144,7 @@ fn waiter_places(waiters: &Bound<'_, PyAny>, waiting_on: &mut WaitingOn) -> PyRe
     let mut n = 0;
     let too_many =
         || pyo3::exceptions::PyRuntimeError::new_err("waiters changed size during the count");
-    for waiter in waiters.try_iter()? {
-        let waiter = waiter?;
+    for_each_member(waiters, |waiter| {
         let on = waiter.getattr(intern!(py, "processing_on"))?;
         if !on.is_none() {
             if waiting_on.len == waiting_on.on.len() {
@@ -131,7 +165,8 @@ fn waiter_places(waiters: &Bound<'_, PyAny>, waiting_on: &mut WaitingOn) -> PyRe
             places[n] = id;
             n += 1;
         }
-    }
+        Ok(())
+    })?;
     Ok(n)
 }
 
@@ -229,18 +264,31 @@ pub fn rejections(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// (which the caller has just touched). A hint: no effect on results.
 #[inline]
 fn prefetch_lines(obj: &Bound<'_, PyAny>, lines: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let p = obj.as_ptr().cast::<i8>();
-        for i in 1..=lines {
-            // SAFETY: a prefetch never faults nor changes memory, whatever
-            // the address; `wrapping_add` makes no claim about it either.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * i)) };
+    prefetch_at(obj.as_ptr() as usize, 1..=lines);
+}
+
+/// The `TaskState` attributes a run reads from many tasks, in the order of
+/// their `SlotOffsets`.
+const TASK_SLOTS: [&str; 4] = ["who_has", "waiters", "nbytes", "key"];
+/// Cache lines (after the first) that hold those attributes and `actor` in
+/// a `TaskState` (its slots end 288 bytes in; `actor` lies at 224).
+pub(crate) const TASK_LINES: usize = 4;
+
+/// Where the `TaskState` attributes of `TASK_SLOTS` lie in objects of `ts`'s
+/// class, if they are plain slots.
+pub(crate) fn task_slots(ts: &Bound<'_, PyAny>) -> Option<SlotOffsets> {
+    SlotOffsets::of(&ts.get_type(), &TASK_SLOTS)
+}
+
+/// Prefetch the objects `ts`'s `who_has`, `waiters` (a small set keeps its
+/// items in its first three lines), `nbytes` and `key` point to.
+pub(crate) fn prefetch_values(slots: &SlotOffsets, ts: &Bound<'_, PyAny>) {
+    for (i, lines) in [2, 2, 0, 0].into_iter().enumerate() {
+        match slots.peek(ts, i) {
+            Some(0) | None => {}
+            Some(a) => prefetch_at(a, 0..=lines),
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (obj, lines);
 }
 
 /// The attributes ReduceReplicas reads from a task, read ahead of its
@@ -254,6 +302,38 @@ pub(crate) struct Prefetched<'py> {
 }
 
 impl<'py> Prefetched<'py> {
+    /// Prefetch the objects of the task's waiters (their first two cache
+    /// lines hold `processing_on`), when `waiters` is a small set whose table
+    /// can be read without touching them.
+    pub(crate) fn prefetch_waiters(&self) {
+        if let Some(table) = SetTable::of(&self.waiters) {
+            for a in table.addresses().take(amm::MAX_COUNTED_WAITERS) {
+                prefetch_at(a, 0..=1);
+            }
+        }
+    }
+
+    /// `read` for each of `tasks` (in order), with the objects of the tasks
+    /// a few steps ahead, and then the objects their attributes point to,
+    /// prefetched (see `py_slots`): the misses of many tasks overlap.
+    pub(crate) fn read_all(tasks: &[(usize, Bound<'py, PyAny>)]) -> Vec<Option<Self>> {
+        // Steps ahead at which a task's own lines, then its values, are asked for.
+        const TASK_AHEAD: usize = 16;
+        const VALUES_AHEAD: usize = 8;
+        let slots = tasks.first().and_then(|(_, ts)| task_slots(ts));
+        let mut out = Vec::with_capacity(tasks.len());
+        for (i, (_, ts)) in tasks.iter().enumerate() {
+            if let Some((a, _)) = tasks.get(i + TASK_AHEAD) {
+                prefetch_at(*a, 0..=TASK_LINES);
+            }
+            if let (Some(slots), Some((_, later))) = (&slots, tasks.get(i + VALUES_AHEAD)) {
+                prefetch_values(slots, later);
+            }
+            out.push(Self::read(ts));
+        }
+        out
+    }
+
     /// Read `ts`'s attributes and prefetch the small-set tables of `who_has`
     /// and `waiters`; None if a read fails (the evaluation then reads them
     /// itself, and raises where it would have).
@@ -302,6 +382,14 @@ pub(crate) struct Prepared<'py> {
     pub ndrop: i64,
 }
 
+/// An accepted action of a deferring bulk policy.
+struct Deferred {
+    ts: Py<PyAny>,
+    key: Py<PyAny>,
+    w: u32,
+    is_drop: bool,
+}
+
 /// One AMM run: the run's workers and their table.
 #[pyclass(module = "dask_shm._core")]
 pub struct AmmRun {
@@ -309,14 +397,15 @@ pub struct AmmRun {
     workers: Vec<Py<PyAny>>,
     index: AddrMap<u32>,
     last_reject: i64,
-    /// Accepted actions of a deferring bulk policy: (task, worker, is_drop).
-    deferred: Vec<(Py<PyAny>, u32, bool)>,
+    /// Accepted actions of a deferring bulk policy. The task's key is read
+    /// when the action is decided (the task is in the CPU's cache then, and
+    /// no longer by enactment).
+    deferred: Vec<Deferred>,
     /// Tasks a deferring bulk policy suggested something for that had no
     /// `pending` entry (stock would have created one for each).
     deferred_tasks: usize,
-    /// Buffers reused across the tasks of a run: (scratch, dropped, the
-    /// droppers' addresses).
-    buffers: (Vec<u32>, Vec<u32>, Vec<usize>),
+    /// Buffers reused across the tasks of a run: (scratch, dropped).
+    buffers: (Vec<u32>, Vec<u32>),
 }
 
 impl AmmRun {
@@ -335,7 +424,14 @@ impl AmmRun {
         if obj.is_none() {
             return Ok(());
         }
-        if let Ok(set) = obj.cast::<PySet>() {
+        if let Some(table) = SetTable::of(obj) {
+            // Addresses are all a position needs: no item is touched.
+            out.extend(
+                table
+                    .addresses()
+                    .filter_map(|a| self.index.get(&a).copied()),
+            );
+        } else if let Ok(set) = obj.cast::<PySet>() {
             out.extend(set.iter().filter_map(|w| self.pos(&w)));
         } else {
             for w in obj.try_iter()? {
@@ -366,15 +462,15 @@ impl AmmRun {
         if waiters.is_none() {
             return Ok(());
         }
-        for waiter in waiters.try_iter()? {
-            let on = waiter?.getattr(intern!(py, "processing_on"))?;
+        for_each_member(&waiters, |waiter| {
+            let on = waiter.getattr(intern!(py, "processing_on"))?;
             if !on.is_none() {
                 if let Some(p) = self.pos(&on) {
                     out.push(p);
                 }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     fn worker<'py>(&self, py: Python<'py>, w: u32) -> Bound<'py, PyAny> {
@@ -411,7 +507,12 @@ impl AmmRun {
         match set {
             Some(set) => set.add(self.workers[w as usize].bind(ts.py())),
             None => {
-                self.deferred.push((ts.clone().unbind(), w, is_drop));
+                self.deferred.push(Deferred {
+                    ts: ts.clone().unbind(),
+                    key: ts.getattr(intern!(ts.py(), "key"))?.unbind(),
+                    w,
+                    is_drop,
+                });
                 Ok(())
             }
         }
@@ -534,10 +635,10 @@ impl AmmRun {
         })
     }
 
-    /// Decide a prepared task (`amm::reduce_task`) and record its drops; with
-    /// `addresses`, returns the addresses of the workers dropping it.
-    pub(crate) fn decide(&mut self, task: &Prepared<'_>, addresses: bool) -> PyResult<&[usize]> {
-        let (mut scratch, mut dropped, mut out) = std::mem::take(&mut self.buffers);
+    /// Decide a prepared task (`amm::reduce_task`) and record its drops;
+    /// returns how many it drops.
+    pub(crate) fn decide(&mut self, task: &Prepared<'_>) -> PyResult<usize> {
+        let (mut scratch, mut dropped) = std::mem::take(&mut self.buffers);
         amm::reduce_task_into(
             &mut self.table,
             &task.request,
@@ -545,16 +646,12 @@ impl AmmRun {
             &mut scratch,
             &mut dropped,
         );
-        out.clear();
-        let recorded = dropped.iter().try_for_each(|&w| {
-            if addresses {
-                out.push(self.workers[w as usize].as_ptr() as usize);
-            }
-            self.record(task.drop_set.as_ref(), &task.ts, w, true)
-        });
-        self.buffers = (scratch, dropped, out);
-        recorded?;
-        Ok(&self.buffers.2)
+        let recorded = dropped
+            .iter()
+            .try_for_each(|&w| self.record(task.drop_set.as_ref(), &task.ts, w, true));
+        let n = dropped.len();
+        self.buffers = (scratch, dropped);
+        recorded.map(|()| n)
     }
 
     /// The accepted actions of `pending` and of the deferred log grouped by
@@ -625,21 +722,24 @@ impl AmmRun {
                 }
             }
         }
-        for (ts, w, is_drop) in &self.deferred {
-            let ts = ts.bind(py);
-            let who_has = ts.getattr(intern!(py, "who_has"))?;
-            if who_has.is_none() || !who_has.is_truthy()? {
-                continue;
+        // Deferred actions were decided by the last policy of this run on tasks
+        // with replicas, and nothing ran since: stock's `who_has` check would
+        // keep them all.
+        for d in &self.deferred {
+            if validate {
+                let ts = d.ts.bind(py);
+                let who_has = ts.getattr(intern!(py, "who_has"))?;
+                let holds =
+                    !who_has.is_none() && who_has.contains(self.workers[d.w as usize].bind(py))?;
+                if holds != d.is_drop {
+                    return Err(PyAssertionError::new_err(format!(
+                        "invalid deferred action on {}",
+                        ts.repr()?
+                    )));
+                }
             }
-            if validate && who_has.contains(self.workers[*w as usize].bind(py))? != *is_drop {
-                return Err(PyAssertionError::new_err(format!(
-                    "invalid deferred action on {}",
-                    ts.repr()?
-                )));
-            }
-            let key = ts.getattr(intern!(py, "key"))?;
-            let lists = if *is_drop { &mut drop } else { &mut repl };
-            lists[*w as usize].push(key);
+            let lists = if d.is_drop { &mut drop } else { &mut repl };
+            lists[d.w as usize].push(d.key.bind(py).clone());
         }
         let mut out: Grouped<'py> = [Vec::new(), Vec::new()];
         for (i, lists) in [repl, drop].into_iter().enumerate() {
@@ -693,7 +793,7 @@ impl AmmRun {
             last_reject: 0,
             deferred: Vec::new(),
             deferred_tasks: 0,
-            buffers: (Vec::new(), Vec::new(), Vec::new()),
+            buffers: (Vec::new(), Vec::new()),
         })
     }
 
@@ -875,7 +975,7 @@ impl AmmRun {
                 nkeys += 1;
                 ndrop += ev.ndrop;
                 let task = self.prepare(ev, pending, defer, request)?;
-                self.decide(&task, false)?;
+                self.decide(&task)?;
                 request = task.request;
             }
         }

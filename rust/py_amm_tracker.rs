@@ -7,7 +7,10 @@
 //! count change. The tracker keeps, in Rust, the tasks that had drops to
 //! suggest at the last look (the over-replicated set) and the tasks reported
 //! changed since (`touch`, `touch_dependencies`, called by the scheduler hooks
-//! in `dask_shm.amm.tracking`). A run looks at those, at the tasks with
+//! in `dask_shm.amm.tracking`). Losing a replica never gives a task drops to
+//! suggest (its count only falls), so removals need no report: a task that
+//! had none still has none, and the others are looked at anyway. A run looks
+//! at those, at the tasks with
 //! actions pending in this run and at `KeepReplicas` targets (old and new), so
 //! it costs time proportional to them, not to `replicated_tasks`.
 //!
@@ -27,7 +30,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyWeakrefReference};
 
 use crate::amm::{self, DropRequest};
-use crate::py_amm::{AddrMap, AmmRun, Prefetched, Prepared};
+use crate::py_amm::{len_or_zero, task_slots, AddrMap, AmmRun, Prefetched, Prepared, TASK_LINES};
+use crate::py_set_order::SetTable;
+use crate::py_slots::prefetch_at;
 
 /// More changed tasks than this between two runs: forget them and rescan.
 const DIRTY_LIMIT: usize = 1 << 16;
@@ -46,9 +51,10 @@ struct RunStats {
 /// The over-replicated tasks and the tasks changed since the last run.
 #[pyclass(module = "dask_shm._core", weakref)]
 pub struct ReplicaTracker {
-    /// Drops decided by the last run and not yet seen enacted:
-    /// task -> (task, its base excess, dropping workers left, drops seen).
-    expected: AddrMap<Expected>,
+    /// Tasks the last run decided drops for: task -> (task, replicas kept).
+    /// The next run reads how many replicas they have left (see
+    /// `settle_decided`).
+    decided: AddrMap<Decided>,
     over: AddrMap<Py<PyAny>>,
     dirty: AddrMap<Py<PyAny>>,
     targets: AddrMap<Py<PyAny>>,
@@ -61,33 +67,12 @@ pub struct ReplicaTracker {
     requests: Vec<DropRequest>,
 }
 
-struct Expected {
+/// A task the last run decided drops for.
+struct Decided {
     ts: Py<PyAny>,
-    base_excess: i64,
-    /// Dropping workers (addresses) left: `first` (0 if none), then `more`
-    /// (a task almost always drops one replica; no allocation then).
-    first: usize,
-    more: Vec<usize>,
-    seen: i64,
-}
-
-impl Expected {
-    /// Whether `ws` (an address) is still due to drop the task; forgets it.
-    fn take(&mut self, ws: usize) -> bool {
-        if self.first != 0 && self.first == ws {
-            self.first = 0;
-        } else if let Some(i) = self.more.iter().position(|&w| w == ws) {
-            self.more.swap_remove(i);
-        } else {
-            return false;
-        }
-        self.seen += 1;
-        true
-    }
-
-    fn all_seen(&self) -> bool {
-        self.first == 0 && self.more.is_empty()
-    }
+    /// Replicas ReduceReplicas keeps for it (`n_holders - base_excess`): the
+    /// same at the next run unless something touches the task.
+    keep: i64,
 }
 
 fn addr(obj: &Bound<'_, PyAny>) -> usize {
@@ -100,7 +85,7 @@ impl ReplicaTracker {
     #[new]
     fn new() -> Self {
         ReplicaTracker {
-            expected: AddrMap::default(),
+            decided: AddrMap::default(),
             over: AddrMap::default(),
             dirty: AddrMap::default(),
             targets: AddrMap::default(),
@@ -124,18 +109,6 @@ impl ReplicaTracker {
         self.dirty.insert(addr(ts), ts.clone().unbind());
     }
 
-    /// Report that worker `ws` no longer holds `ts`. A drop the last run
-    /// decided (being enacted) changes nothing the tracker does not already
-    /// know; anything else is a change.
-    fn touch_removed(&mut self, ts: &Bound<'_, PyAny>, ws: &Bound<'_, PyAny>) {
-        if let Some(e) = self.expected.get_mut(&addr(ts)) {
-            if e.take(addr(ws)) {
-                return;
-            }
-        }
-        self.touch(ts);
-    }
-
     /// Report that `ts` changed state or worker: its own facts and the waiters
     /// of each of its dependencies may have changed.
     fn touch_dependencies(&mut self, ts: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -153,7 +126,7 @@ impl ReplicaTracker {
     fn request_rescan(&mut self) {
         self.rescan = true;
         self.dirty.clear();
-        self.expected.clear();
+        self.decided.clear();
     }
 
     /// Number of tasks that had drops to suggest at the last look.
@@ -185,7 +158,7 @@ impl ReplicaTracker {
         defer: bool,
         validate: bool,
     ) -> PyResult<(usize, i64)> {
-        self.settle_expected(tasks.py());
+        self.settle_decided(tasks.py())?;
         let same_tasks = self.tasks.as_ref().is_some_and(|t| t.is(tasks));
         let result = if self.rescan || !same_tasks {
             self.full_scan(run, tasks, pending, targets, defer)
@@ -202,34 +175,53 @@ impl ReplicaTracker {
         result
     }
 
-    /// Fold the drops seen enacted since the last run into the over-replicated
-    /// set: a task whose decided drops were all enacted (and nothing else
-    /// touched it) has `base_excess - drops` left; any other is looked at again.
-    fn settle_expected(&mut self, py: Python<'_>) {
-        // Drained in place: the map keeps its capacity for the next run.
-        let mut expected = std::mem::take(&mut self.expected);
-        for (a, e) in expected.drain() {
-            if !e.all_seen() || self.dirty.contains_key(&a) {
-                self.touch(e.ts.bind(py));
-            } else if e.base_excess - e.seen > 0 {
-                self.over.insert(a, e.ts);
+    /// Fold the tasks the last run decided drops for into the over-replicated
+    /// set, from how many replicas they have now. Their drops were sent to
+    /// the workers (the scheduler forgets a dropped replica at once, and a
+    /// worker that refuses adds it back through `add_replica`), and their
+    /// waiters are as they were unless a change touched them (then they are
+    /// looked at again anyway): `len(who_has) - keep` is their excess now.
+    fn settle_decided(&mut self, py: Python<'_>) -> PyResult<()> {
+        // Steps ahead at which a task, then its `who_has`, are prefetched (the
+        // tasks were last touched a run ago: mostly cache misses).
+        const TASK_AHEAD: usize = 16;
+        const VALUES_AHEAD: usize = 8;
+        let mut decided = std::mem::take(&mut self.decided);
+        let settle: Vec<(usize, Decided)> = decided
+            .drain()
+            .filter(|(a, _)| !self.dirty.contains_key(a))
+            .collect();
+        // The map keeps its capacity for the next run.
+        self.decided = decided;
+        let slots = settle.first().and_then(|(_, d)| task_slots(d.ts.bind(py)));
+        for i in 0..settle.len() {
+            if let Some((a, _)) = settle.get(i + TASK_AHEAD) {
+                prefetch_at(*a, 0..=TASK_LINES);
+            }
+            if let (Some(slots), Some((_, later))) = (&slots, settle.get(i + VALUES_AHEAD)) {
+                // `len(who_has)` reads the set's first line only.
+                if let Some(who_has) = slots.peek(later.ts.bind(py), 0).filter(|&a| a != 0) {
+                    prefetch_at(who_has, 0..=0);
+                }
+            }
+            let (a, d) = &settle[i];
+            let n = len_or_zero(&d.ts.bind(py).getattr(intern!(py, "who_has"))?)?;
+            if n as i64 > d.keep {
+                self.over.insert(*a, d.ts.clone_ref(py));
             } else {
-                self.over.remove(&a);
+                self.over.remove(a);
             }
         }
-        self.expected = expected;
+        Ok(())
     }
 
-    fn expect(&mut self, task: &Prepared<'_>, dropped: &[usize]) {
-        if let Some((&first, more)) = dropped.split_first() {
-            let e = Expected {
+    fn decide_later(&mut self, task: &Prepared<'_>, dropped: usize) {
+        if dropped > 0 {
+            let d = Decided {
                 ts: task.ts.clone().unbind(),
-                base_excess: task.base_excess,
-                first,
-                more: more.to_vec(),
-                seen: 0,
+                keep: task.request.n_holders - task.base_excess,
             };
-            self.expected.insert(addr(&task.ts), e);
+            self.decided.insert(addr(&task.ts), d);
         }
     }
 
@@ -254,7 +246,7 @@ impl ReplicaTracker {
                 if self.over.len() == OVER_LIMIT {
                     keeping = false;
                     self.over.clear();
-                    self.expected.clear();
+                    self.decided.clear();
                 } else {
                     self.over.insert(addr(&ev.ts), ev.ts.clone().unbind());
                 }
@@ -263,9 +255,9 @@ impl ReplicaTracker {
                 nkeys += 1;
                 ndrop += ev.ndrop;
                 let task = run.prepare(ev, pending, defer, request)?;
-                let dropped = run.decide(&task, keeping)?;
+                let dropped = run.decide(&task)?;
                 if keeping {
-                    self.expect(&task, dropped);
+                    self.decide_later(&task, dropped);
                 }
                 request = task.request;
             }
@@ -317,13 +309,20 @@ impl ReplicaTracker {
         look.sort_unstable_by_key(|&(a, _)| a);
         let mut chosen: Vec<Prepared<'_>> = Vec::new();
         let (mut nkeys, mut ndrop) = (0usize, 0i64);
-        // Read every task's attributes first, in one tight loop: the reads
-        // are mostly cache misses, and the CPU overlaps those of neighbouring
-        // tasks there (~15-25% of the policy part on this machine).
-        let ahead: Vec<Option<Prefetched<'_>>> =
-            look.iter().map(|(_, ts)| Prefetched::read(ts)).collect();
-        for ((a, ts), ahead) in look.into_iter().zip(ahead) {
-            let ev = AmmRun::evaluate(ts, ahead, Some(pending), targets)?;
+        // Read every task's attributes first, in one loop that prefetches
+        // ahead: the reads are mostly cache misses, which then overlap.
+        let mut ahead = Prefetched::read_all(&look);
+        // The waiters of the task evaluated a few steps later are fetched
+        // while this one is evaluated.
+        const WAITERS_AHEAD: usize = 6;
+        for a in ahead.iter().take(WAITERS_AHEAD).flatten() {
+            a.prefetch_waiters();
+        }
+        for (i, (a, ts)) in look.into_iter().enumerate() {
+            if let Some(Some(later)) = ahead.get(i + WAITERS_AHEAD) {
+                later.prefetch_waiters();
+            }
+            let ev = AmmRun::evaluate(ts, ahead[i].take(), Some(pending), targets)?;
             // The scheduler keeps `replicated_tasks` = {tasks with 2+ holders}
             // (add_replica/remove_replica); `validate` checks it.
             if ev.n_holders < 2 {
@@ -355,8 +354,8 @@ impl ReplicaTracker {
             }
         }
         for task in &chosen {
-            let dropped = run.decide(task, true)?;
-            self.expect(task, dropped);
+            let dropped = run.decide(task)?;
+            self.decide_later(task, dropped);
         }
         // Keep the requests' buffers for the next run.
         self.requests.extend(chosen.into_iter().map(|t| t.request));
@@ -369,22 +368,61 @@ impl ReplicaTracker {
     }
 }
 
-/// Sort `chosen` into the iteration order of `tasks` (one pass that only
-/// compares addresses).
-fn order_as_iterated(tasks: &Bound<'_, PyAny>, chosen: &mut [Prepared<'_>]) -> PyResult<()> {
+/// Sort `chosen` into the iteration order of `tasks`.
+///
+/// When the set's table can be read (see `py_set_order`), each task's slot is
+/// found next to where its hash puts it, and slots are the iteration order;
+/// a task not found there (rare: a long collision chain) sends everyone
+/// through one pass over the table that only compares addresses. Sets that
+/// cannot be read are iterated instead.
+fn order_as_iterated(tasks: &Bound<'_, PyAny>, chosen: &mut Vec<Prepared<'_>>) -> PyResult<()> {
+    // Hashes first: `__hash__` is Python code, which must not run while the
+    // table is borrowed.
+    let hashes: Vec<isize> = chosen
+        .iter()
+        .map(|t| t.ts.hash())
+        .collect::<PyResult<_>>()?;
+    let ranks = match SetTable::of(tasks) {
+        Some(table) => chosen
+            .iter()
+            .zip(&hashes)
+            .map(|(t, &h)| table.slot_near(addr(&t.ts), h))
+            .collect::<Option<Vec<usize>>>()
+            .or_else(|| Some(ranks_by_pass(table.addresses(), chosen))),
+        None => None,
+    };
+    let ranks = match ranks {
+        Some(r) => r,
+        None => {
+            let items = tasks
+                .try_iter()?
+                .map(|ts| ts.map(|ts| addr(&ts)))
+                .collect::<PyResult<Vec<usize>>>()?;
+            ranks_by_pass(items.into_iter(), chosen)
+        }
+    };
+    let mut order: Vec<(usize, usize)> = ranks.into_iter().zip(0..).collect();
+    order.sort_unstable();
+    let mut taken: Vec<Option<Prepared<'_>>> = chosen.drain(..).map(Some).collect();
+    chosen.extend(order.into_iter().filter_map(|(_, i)| taken[i].take()));
+    Ok(())
+}
+
+/// The position of each of `chosen` among `items` (addresses in iteration
+/// order); `usize::MAX` for one not found.
+fn ranks_by_pass(items: impl Iterator<Item = usize>, chosen: &[Prepared<'_>]) -> Vec<usize> {
     let mut rank: AddrMap<usize> = chosen.iter().map(|t| (addr(&t.ts), usize::MAX)).collect();
-    let mut found = 0;
-    for (i, ts) in tasks.try_iter()?.enumerate() {
-        if let Some(r) = rank.get_mut(&addr(&ts?)) {
+    let mut left = rank.len();
+    for (i, a) in items.enumerate() {
+        if let Some(r) = rank.get_mut(&a) {
             *r = i;
-            found += 1;
-            if found == chosen.len() {
+            left -= 1;
+            if left == 0 {
                 break;
             }
         }
     }
-    chosen.sort_by_key(|t| rank[&addr(&t.ts)]);
-    Ok(())
+    chosen.iter().map(|t| rank[&addr(&t.ts)]).collect()
 }
 
 /// AssertionError unless the tasks with drops to suggest are exactly those a
@@ -498,14 +536,6 @@ impl TrackerHub {
         })
     }
 
-    /// `ReplicaTracker.touch_removed` on every tracker.
-    fn touch_removed(&self, ts: &Bound<'_, PyAny>, ws: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.each(ts.py(), |t| {
-            t.touch_removed(ts, ws);
-            Ok(())
-        })
-    }
-
     /// `ReplicaTracker.touch_dependencies` on every tracker.
     fn touch_dependencies(&self, ts: &Bound<'_, PyAny>) -> PyResult<()> {
         self.each(ts.py(), |t| t.touch_dependencies(ts))
@@ -516,10 +546,8 @@ impl TrackerHub {
 /// and how.
 #[derive(Debug, Clone, Copy)]
 enum HookKind {
-    /// `add_replica(ts, ws)`, `remove_all_replicas(ts)`: `touch(ts)`.
+    /// `add_replica(ts, ws)`: `touch(ts)`.
     Touch,
-    /// `remove_replica(ts, ws)`: `touch_removed(ts, ws)`.
-    Removed,
     /// `send_task_to_worker(worker, ts)`: `touch_dependencies(ts)`.
     Dependencies,
 }
@@ -554,14 +582,12 @@ fn argument<'py>(
 
 #[pymethods]
 impl ReplicaHook {
-    /// Wrap `original`, the scheduler's bound method `name` (one of
-    /// `add_replica`, `remove_replica`, `remove_all_replicas`,
-    /// `send_task_to_worker`), to report to `hub`.
+    /// Wrap `original`, the scheduler's bound method `name` (`add_replica`
+    /// or `send_task_to_worker`), to report to `hub`.
     #[new]
     fn new(name: &str, original: Py<PyAny>, hub: Py<TrackerHub>) -> PyResult<Self> {
         let kind = match name {
-            "add_replica" | "remove_all_replicas" => HookKind::Touch,
-            "remove_replica" => HookKind::Removed,
+            "add_replica" => HookKind::Touch,
             "send_task_to_worker" => HookKind::Dependencies,
             _ => {
                 return Err(PyValueError::new_err(format!(
@@ -589,13 +615,6 @@ impl ReplicaHook {
             HookKind::Touch => {
                 if let Some(ts) = argument(args, kwargs, 0, "ts")? {
                     hub.touch(&ts)?;
-                }
-            }
-            HookKind::Removed => {
-                let ts = argument(args, kwargs, 0, "ts")?;
-                let ws = argument(args, kwargs, 1, "ws")?;
-                if let (Some(ts), Some(ws)) = (ts, ws) {
-                    hub.touch_removed(&ts, &ws)?;
                 }
             }
             HookKind::Dependencies => {

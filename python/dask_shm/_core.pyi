@@ -178,9 +178,6 @@ class ReplicaTracker:
     def __init__(self) -> None: ...
     def touch(self, ts: Any) -> None:
         """``ts``'s replicas (or waiters) may have changed."""
-    def touch_removed(self, ts: Any, ws: Any) -> None:
-        """``ws`` no longer holds ``ts``: a change, unless it enacts a drop the last
-        run decided (then the tracker already knows the outcome)."""
     def touch_dependencies(self, ts: Any) -> None:
         """``ts`` changed state or worker: touch it and each of its dependencies."""
     def request_rescan(self) -> None: ...
@@ -200,15 +197,13 @@ class TrackerHub:
     def __len__(self) -> int:
         """Number of live trackers."""
     def touch(self, ts: Any) -> None: ...
-    def touch_removed(self, ts: Any, ws: Any) -> None: ...
     def touch_dependencies(self, ts: Any) -> None: ...
 
 @final
 class ReplicaHook:
-    """Scheduler method ``name`` (``add_replica``, ``remove_replica``,
-    ``remove_all_replicas`` or ``send_task_to_worker``), wrapped to report each
-    call to ``hub`` before running ``original`` with the same arguments.
-    ValueError for any other name."""
+    """Scheduler method ``name`` (``add_replica`` or ``send_task_to_worker``),
+    wrapped to report each call to ``hub`` before running ``original`` with the
+    same arguments. ValueError for any other name."""
 
     def __init__(self, name: str, original: Any, hub: TrackerHub) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -3,12 +3,14 @@
 A task's count of replicas to drop (stock ``ReduceReplicas``) depends on its
 ``who_has``, its ``waiters`` and where those are processing. In ``distributed``:
 
-- ``who_has`` changes only through ``Scheduler.add_replica`` / ``remove_replica`` /
-  ``remove_all_replicas`` (task completion, ``add-keys`` from workers after a
-  fetch, ``request_remove_replicas``, worker removal). A scheduler plugin would not
-  see the ``add-keys`` ones (they are not transitions), so these three methods are
-  wrapped on the scheduler instance (by :class:`dask_shm._core.ReplicaHook`, in Rust:
-  they run on every replica change).
+- ``who_has`` grows only through ``Scheduler.add_replica`` (task completion,
+  ``add-keys`` from workers after a fetch or a refused drop). A scheduler plugin
+  would not see the ``add-keys`` ones (they are not transitions), so that method
+  is wrapped on the scheduler instance (by :class:`dask_shm._core.ReplicaHook`, in
+  Rust: it runs on every new replica). Removals (``remove_replica``,
+  ``remove_all_replicas``) are not watched: a task with fewer replicas has fewer
+  drops to suggest, never more, and the tracker re-reads the replica count of the
+  tasks it decided drops for.
 - ``waiters`` of a task change when one of its dependents transitions, and a
   dependent's ``processing_on`` changes on its transitions or when work stealing
   moves it (``send_task_to_worker`` without a transition). So a
@@ -33,7 +35,7 @@ from dask_shm._core import ReplicaHook, ReplicaTracker, TrackerHub
 #: Attribute of the scheduler holding its :class:`ReplicaHooks`.
 HOOKS_ATTRIBUTE = "_dask_shm_replica_hooks"
 #: The scheduler methods wrapped by a :class:`dask_shm._core.ReplicaHook`.
-HOOKED = ("add_replica", "remove_replica", "remove_all_replicas", "send_task_to_worker")
+HOOKED = ("add_replica", "send_task_to_worker")
 _NEEDED = (*HOOKED, "add_plugin")
 
 
