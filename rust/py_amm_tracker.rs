@@ -287,26 +287,37 @@ impl ReplicaTracker {
             + self.targets.len()
             + pending.len()
             + targets.map_or(0, |t| t.len());
-        let mut look: AddrMap<Bound<'_, PyAny>> =
-            AddrMap::with_capacity_and_hasher(capacity, Default::default());
-        for map in [&self.over, &self.dirty, &self.targets] {
-            for (&a, ts) in map {
-                look.entry(a).or_insert_with(|| ts.bind(py).clone());
-            }
-        }
-        for ts in pending
+        let extra: Vec<Bound<'_, PyAny>> = pending
             .keys()
             .iter()
             .chain(targets.iter().flat_map(|t| t.keys()))
-        {
-            look.entry(addr(&ts)).or_insert(ts);
+            .collect();
+        // Addresses first (keys of the maps: no object is touched), in
+        // address order: the objects are then read in the order they lie in
+        // memory. Decisions do not depend on it (see `order_independent`).
+        let mut addrs: Vec<usize> = Vec::with_capacity(capacity);
+        for map in [&self.over, &self.dirty, &self.targets] {
+            addrs.extend(map.keys());
         }
-        let looked_at = look.len();
-        // In address order: the objects are read in the order they lie in
-        // memory, which the CPU fetches faster than the map's (hash) order.
-        // Decisions do not depend on it (see `order_independent` below).
-        let mut look: Vec<(usize, Bound<'_, PyAny>)> = look.into_iter().collect();
-        look.sort_unstable_by_key(|&(a, _)| a);
+        addrs.extend(extra.iter().map(addr));
+        addrs.sort_unstable();
+        addrs.dedup();
+        let looked_at = addrs.len();
+        // A reference to each, with the objects prefetched a few steps ahead.
+        const AHEAD: usize = 8;
+        let mut look: Vec<(usize, Bound<'_, PyAny>)> = Vec::with_capacity(addrs.len());
+        for (i, &a) in addrs.iter().enumerate() {
+            if let Some(&later) = addrs.get(i + AHEAD) {
+                prefetch_at(later, 0..=0);
+            }
+            // SAFETY: `a` is a key of `over`, `dirty` or `targets` (each holds
+            // a reference to its object) or the address of one of `extra`;
+            // none has changed since, so the object is alive.
+            look.push((a, unsafe {
+                Bound::from_borrowed_ptr(py, a as *mut pyo3::ffi::PyObject)
+            }));
+        }
+        drop(extra);
         let mut chosen: Vec<Prepared<'_>> = Vec::new();
         let (mut nkeys, mut ndrop) = (0usize, 0i64);
         // Read every task's attributes first, in one loop that prefetches
