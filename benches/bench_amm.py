@@ -151,7 +151,7 @@ def test_reduce_replicas_after_changes(benchmark, changed: str, impl: str) -> No
             assert not full and looked_at >= nchanged
             ordered.append(by_scan)
 
-    benchmark.pedantic(run, setup=setup, rounds=7, iterations=1)
+    benchmark.pedantic(run, setup=setup, rounds=15, iterations=1)
     dropped = s.take()
     assert len(dropped) == nchanged  # the last round dropped each new replica
     if impl == "ours":
