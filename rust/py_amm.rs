@@ -299,6 +299,8 @@ pub(crate) struct Prefetched<'py> {
     waiters: Bound<'py, PyAny>,
     actor: Bound<'py, PyAny>,
     nbytes: Bound<'py, PyAny>,
+    /// Read here, where its object was prefetched, for the deferred log.
+    key: Bound<'py, PyAny>,
 }
 
 impl<'py> Prefetched<'py> {
@@ -344,6 +346,7 @@ impl<'py> Prefetched<'py> {
         let waiters = ts.getattr(intern!(py, "waiters")).ok()?;
         let actor = ts.getattr(intern!(py, "actor")).ok()?;
         let nbytes = ts.getattr(intern!(py, "nbytes")).ok()?;
+        let key = ts.getattr(intern!(py, "key")).ok()?;
         // A set of up to 5 items keeps them inside the object (CPython's
         // `smalltable`, the 2nd to 4th cache lines).
         prefetch_lines(&who_has, 3);
@@ -353,6 +356,7 @@ impl<'py> Prefetched<'py> {
             waiters,
             actor,
             nbytes,
+            key,
         })
     }
 }
@@ -369,6 +373,8 @@ pub(crate) struct Evaluated<'py> {
     waiting_on: Option<WaitingOn>,
     /// `ts.actor` and `ts.nbytes`, if read ahead.
     actor_nbytes: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    /// `ts.key`, if read ahead.
+    key: Option<Bound<'py, PyAny>>,
     /// Drops suggested in this run.
     pub ndrop: i64,
 }
@@ -379,6 +385,8 @@ pub(crate) struct Prepared<'py> {
     /// Drops suggested ignoring this run's pending actions.
     pub base_excess: i64,
     drop_set: Option<Bound<'py, PySet>>,
+    /// `ts.key`, if read ahead.
+    key: Option<Bound<'py, PyAny>>,
     pub request: DropRequest,
     pub ndrop: i64,
 }
@@ -497,20 +505,26 @@ impl AmmRun {
     }
 
     /// Record an accepted action in its `pending` set, or, without one, in the
-    /// deferred log (enacted by `enact` like the `pending` entries).
+    /// deferred log (enacted by `enact` like the `pending` entries), with
+    /// `key` (`ts.key`, read here if not given).
     fn record(
         &mut self,
         set: Option<&Bound<'_, PySet>>,
         ts: &Bound<'_, PyAny>,
+        key: Option<&Bound<'_, PyAny>>,
         w: u32,
         is_drop: bool,
     ) -> PyResult<()> {
         match set {
             Some(set) => set.add(self.workers[w as usize].bind(ts.py())),
             None => {
+                let key = match key {
+                    Some(k) => k.clone(),
+                    None => ts.getattr(intern!(ts.py(), "key"))?,
+                };
                 self.deferred.push(Deferred {
                     ts: ts.clone().unbind(),
-                    key: ts.getattr(intern!(ts.py(), "key"))?.unbind(),
+                    key: key.unbind(),
                     w,
                     is_drop,
                 });
@@ -549,9 +563,14 @@ impl AmmRun {
         targets: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Evaluated<'py>> {
         let py = ts.py();
-        let (who_has, waiters, actor_nbytes) = match ahead {
-            Some(a) => (a.who_has, Some(a.waiters), Some((a.actor, a.nbytes))),
-            None => (ts.getattr(intern!(py, "who_has"))?, None, None),
+        let (who_has, waiters, actor_nbytes, key) = match ahead {
+            Some(a) => (
+                a.who_has,
+                Some(a.waiters),
+                Some((a.actor, a.nbytes)),
+                Some(a.key),
+            ),
+            None => (ts.getattr(intern!(py, "who_has"))?, None, None, None),
         };
         let n_holders = len_or_zero(&who_has)? as i64;
         let desired: i64 = match targets.map(|t| t.get_item(&ts)).transpose()?.flatten() {
@@ -583,6 +602,7 @@ impl AmmRun {
             existing,
             waiting_on,
             actor_nbytes,
+            key,
             ndrop,
         })
     }
@@ -631,6 +651,7 @@ impl AmmRun {
             ts: ev.ts,
             base_excess: ev.base_excess,
             drop_set,
+            key: ev.key,
             request,
             ndrop: ev.ndrop,
         })
@@ -647,9 +668,10 @@ impl AmmRun {
             &mut scratch,
             &mut dropped,
         );
-        let recorded = dropped
-            .iter()
-            .try_for_each(|&w| self.record(task.drop_set.as_ref(), &task.ts, w, true));
+        let recorded = dropped.iter().try_for_each(|&w| {
+            let key = task.key.as_ref();
+            self.record(task.drop_set.as_ref(), &task.ts, key, w, true)
+        });
         let n = dropped.len();
         self.buffers = (scratch, dropped);
         recorded.map(|()| n)
@@ -819,18 +841,41 @@ impl AmmRun {
         for ws in running.try_iter()? {
             in_running.insert(ws?.as_ptr() as usize, ());
         }
-        let mut list = Vec::new();
-        let (mut memory, mut is_running, mut eligible) = (Vec::new(), Vec::new(), Vec::new());
-        for ws in workers.try_iter()? {
-            let ws = ws?;
+        let list: Vec<Bound<'_, PyAny>> = workers.try_iter()?.collect::<PyResult<_>>()?;
+        let n = list.len();
+        let (mut memory, mut is_running, mut eligible) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        // The workers, then what their slots point to, are prefetched a few
+        // steps ahead (see `py_slots`): a run reads every worker.
+        const WORKER_AHEAD: usize = 16;
+        const VALUES_AHEAD: usize = 8;
+        let slots = list.first().and_then(|ws| {
+            SlotOffsets::of(
+                &ws.get_type(),
+                &["metrics", "nbytes", "_memory_unmanaged_old"],
+            )
+        });
+        for (i, ws) in list.iter().enumerate() {
+            if let Some(later) = list.get(i + WORKER_AHEAD) {
+                prefetch_at(later.as_ptr() as usize, 0..=2);
+            }
+            if let (Some(slots), Some(later)) = (&slots, list.get(i + VALUES_AHEAD)) {
+                for k in 0..3 {
+                    if let Some(a) = slots.peek(later, k).filter(|&a| a != 0) {
+                        prefetch_at(a, 0..=0);
+                    }
+                }
+            }
             let exact = worker_type.is_some_and(|t| ws.get_type().is(t));
-            memory.push(worker_memory(&ws, measure, formula.filter(|_| exact))?);
+            memory.push(worker_memory(ws, measure, formula.filter(|_| exact))?);
             let status = ws.getattr(intern!(ws.py(), "status"))?;
             is_running.push(status.is(status_running) || status.eq(status_running)?);
             // Identity first; `in` (hash and __eq__) only for the others.
             eligible
-                .push(in_running.contains_key(&(ws.as_ptr() as usize)) || running.contains(&ws)?);
-            list.push(ws);
+                .push(in_running.contains_key(&(ws.as_ptr() as usize)) || running.contains(ws)?);
         }
         Self::new(list, memory, is_running, eligible)
     }
@@ -1053,10 +1098,10 @@ impl AmmRun {
             let sets = self.entry_for(pending, &ts, existing, defer)?;
             match outcome {
                 RetireOutcome::Dropped(d) => {
-                    self.record(sets.as_ref().map(|e| &e.1), &ts, d, true)?
+                    self.record(sets.as_ref().map(|e| &e.1), &ts, None, d, true)?
                 }
                 RetireOutcome::Replicated(r) => {
-                    self.record(sets.as_ref().map(|e| &e.0), &ts, r, false)?
+                    self.record(sets.as_ref().map(|e| &e.0), &ts, None, r, false)?
                 }
                 RetireOutcome::NoRecipient(_) => nno_rec += 1,
                 RetireOutcome::KeptElsewhere | RetireOutcome::AlreadyPending => {}
