@@ -205,7 +205,8 @@ def _cluster(impl: str, root: str) -> tuple[LocalCluster, Client, str, str]:
         client.register_plugin(SharedMemoryPlugin(root=root))
     if impl.startswith("ours-born"):
         client.register_plugin(born_worker.BornSharedPlugin(born_worker.BornSettings(mode=True)))
-    a, b = sorted(client.scheduler_info()["workers"])
+    # Not scheduler_info(): the client's periodic refresh can empty its "workers".
+    a, b = sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
     return cluster, client, a, b
 
 

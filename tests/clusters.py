@@ -33,3 +33,13 @@ def process_cluster(
         Client(cluster) as client,
     ):
         yield client
+
+
+def worker_addresses(client: Client) -> list[str]:
+    """The addresses of the cluster's workers as the scheduler has them now, sorted.
+
+    Not ``client.scheduler_info()["workers"]``: the client's periodic refresh
+    stores an identity without workers, and it can land between the fetch and
+    the return of ``scheduler_info()``, which then has no workers."""
+    identity = client.sync(client.scheduler.identity, n_workers=-1)
+    return sorted(identity["workers"])

@@ -18,7 +18,7 @@ from typing import Any
 import dask
 import numpy as np
 import pytest
-from clusters import process_cluster
+from clusters import process_cluster, worker_addresses
 from distributed.utils_test import gen_cluster
 
 from dask_shm._core import born_stats, read_peer_file
@@ -605,7 +605,7 @@ def test_cluster_hands_a_born_array_over_without_copying_it() -> None:
     with process_cluster(2, "2GiB") as client:
         client.register_plugin(SharedMemoryPlugin())
         client.register_plugin(born_worker.BornSharedPlugin(born_worker.BornSettings(mode=True)))
-        a, b = sorted(client.scheduler_info()["workers"])
+        a, b = worker_addresses(client)
         x = client.submit(_made_born, 32 * MiB, 2.0, workers=[a], key="born-x")
         total = client.submit(lambda v: float(v.sum()), x, workers=[b], key="born-sum")
         assert total.result() == 2.0 * 4 * MiB

@@ -10,7 +10,7 @@ import logging
 import dask
 import numpy as np
 import pytest
-from clusters import process_cluster
+from clusters import process_cluster, worker_addresses
 from distributed import Client, Scheduler, Worker, span
 from distributed.scheduler import DEFAULT_EXTENSIONS as SCHEDULER_EXTENSIONS
 from distributed.utils_test import gen_cluster
@@ -173,7 +173,7 @@ def shm_client():
 
 def test_shared_memory_series_are_counters_and_gauges_named_like_distributeds(shm_client):
     client = shm_client
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = worker_addresses(client)
     x = client.submit(make_array, 8 * MIB, workers=[a], key="prom-x")
     assert client.submit(lambda v: float(v.sum()), x, workers=[b]).result() == MIB
     figures = client.run(shm_metrics, workers=[a])[a]
@@ -198,7 +198,7 @@ def test_shared_memory_series_are_counters_and_gauges_named_like_distributeds(sh
 
 def test_shared_memory_series_follow_the_configured_namespace(shm_client):
     client = shm_client
-    a, _ = sorted(client.scheduler_info()["workers"])
+    a, _ = worker_addresses(client)
 
     async def scrape_with_namespace(dask_worker: Worker) -> str:
         with dask.config.set({"distributed.dashboard.prometheus.namespace": "acme"}):

@@ -9,7 +9,7 @@ import time
 import dask
 import numpy as np
 import pytest
-from clusters import process_cluster
+from clusters import process_cluster, worker_addresses
 from distributed import Client, LocalCluster, Worker, wait
 
 from dask_shm import SharedMemoryNannyPlugin, SharedMemoryPlugin
@@ -51,7 +51,7 @@ def shm_cluster():
 
 
 def two_workers(client: Client) -> tuple[str, str]:
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = worker_addresses(client)
     return a, b
 
 
@@ -155,7 +155,7 @@ def test_a_killed_worker_leaves_no_files_after_the_nanny_restarts_it(shm_cluster
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while True:
-        workers = client.scheduler_info()["workers"]
+        workers = worker_addresses(client)
         if len(workers) == 2 and a not in workers:
             break
         assert time.monotonic() < deadline, "the nanny did not restart the worker"

@@ -15,7 +15,7 @@ import time
 import dask
 import numpy as np
 import pytest
-from clusters import process_cluster
+from clusters import process_cluster, worker_addresses
 from distributed import Client, LocalCluster, wait
 
 from dask_shm import SharedMemoryPlugin
@@ -214,7 +214,7 @@ def test_a_clean_close_leaves_nothing_behind(root) -> None:
     ):
         client.register_plugin(SharedMemoryNannyPlugin(root=root))
         client.register_plugin(SharedMemoryPlugin(root=root))
-        a, b = sorted(client.scheduler_info()["workers"])
+        a, b = worker_addresses(client)
         x = client.submit(np.full, 2 * MB, 1.0, workers=[a], key="x")
         assert client.submit(lambda v: float(v.sum()), x, workers=[b]).result() == 2 * MB
         assert (
@@ -223,9 +223,7 @@ def test_a_clean_close_leaves_nothing_behind(root) -> None:
         assert len(os.listdir(os.path.join(user_root, "peers"))) == 2
         os.kill(client.run(os.getpid, workers=[a])[a], signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while (
-            a in client.scheduler_info()["workers"] or len(client.scheduler_info()["workers"]) < 2
-        ):
+        while a in (workers := worker_addresses(client)) or len(workers) < 2:
             assert time.monotonic() < deadline, "the nanny did not restart the worker"
             time.sleep(0.2)
         client.wait_for_workers(2)
@@ -519,7 +517,7 @@ def test_a_value_written_in_place_survives_eviction_and_transfer(root) -> None:
     another worker keep the change instead of reverting to the file."""
     with process_cluster(2, "1 GiB") as client:
         client.register_plugin(SharedMemoryPlugin(root=root))
-        a, b = sorted(client.scheduler_info()["workers"])
+        a, b = worker_addresses(client)
         x = client.submit(np.ones, MB, key="x", workers=[a])
         wait(x)
         client.run(_evict_all, workers=[a])

@@ -27,7 +27,7 @@ from dask_shm.shared import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from clusters import process_cluster
+from clusters import process_cluster, worker_addresses
 from memory_cgroup import memory_cgroup, run_workload, unavailable_reason  # noqa: E402
 
 MiB = 2**20
@@ -361,7 +361,7 @@ def test_cancelled_fetches_leave_no_incoming_file_pinned():
     with process_cluster(2, "2GiB") as client:
         client.register_plugin(SharedMemoryPlugin())
         client.register_plugin(SharedMemoryNannyPlugin())
-        a, b = sorted(client.scheduler_info()["workers"])
+        a, b = worker_addresses(client)
         counters: dict = {}
         for round_ in range(4):
             inputs = [
