@@ -27,7 +27,7 @@ use crate::amm::{
 };
 use crate::py_amm_tracker::ReplicaTracker;
 use crate::py_set_order::SetTable;
-use crate::py_slots::{prefetch_at, SlotOffsets};
+use crate::py_slots::{prefetch_ahead, prefetch_at, SlotOffsets};
 
 /// Hasher for object addresses: one multiply (addresses are already unique).
 #[derive(Default)]
@@ -320,18 +320,19 @@ impl<'py> Prefetched<'py> {
     /// a few steps ahead, and then the objects their attributes point to,
     /// prefetched (see `py_slots`): the misses of many tasks overlap.
     pub(crate) fn read_all(tasks: &[(usize, Bound<'py, PyAny>)]) -> Vec<Option<Self>> {
-        // Steps ahead at which a task's own lines, then its values, are asked for.
-        const TASK_AHEAD: usize = 16;
-        const VALUES_AHEAD: usize = 8;
         let slots = tasks.first().and_then(|(_, ts)| task_slots(ts));
         let mut out = Vec::with_capacity(tasks.len());
         for (i, (_, ts)) in tasks.iter().enumerate() {
-            if let Some((a, _)) = tasks.get(i + TASK_AHEAD) {
-                prefetch_at(*a, 0..=TASK_LINES);
-            }
-            if let (Some(slots), Some((_, later))) = (&slots, tasks.get(i + VALUES_AHEAD)) {
-                prefetch_values(slots, later);
-            }
+            prefetch_ahead(
+                tasks,
+                i,
+                |(a, _)| prefetch_at(*a, 0..=TASK_LINES),
+                |(_, later)| {
+                    if let Some(slots) = &slots {
+                        prefetch_values(slots, later);
+                    }
+                },
+            );
             out.push(Self::read(ts));
         }
         out
@@ -841,41 +842,18 @@ impl AmmRun {
         for ws in running.try_iter()? {
             in_running.insert(ws?.as_ptr() as usize, ());
         }
-        let list: Vec<Bound<'_, PyAny>> = workers.try_iter()?.collect::<PyResult<_>>()?;
-        let n = list.len();
-        let (mut memory, mut is_running, mut eligible) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        // The workers, then what their slots point to, are prefetched a few
-        // steps ahead (see `py_slots`): a run reads every worker.
-        const WORKER_AHEAD: usize = 16;
-        const VALUES_AHEAD: usize = 8;
-        let slots = list.first().and_then(|ws| {
-            SlotOffsets::of(
-                &ws.get_type(),
-                &["metrics", "nbytes", "_memory_unmanaged_old"],
-            )
-        });
-        for (i, ws) in list.iter().enumerate() {
-            if let Some(later) = list.get(i + WORKER_AHEAD) {
-                prefetch_at(later.as_ptr() as usize, 0..=2);
-            }
-            if let (Some(slots), Some(later)) = (&slots, list.get(i + VALUES_AHEAD)) {
-                for k in 0..3 {
-                    if let Some(a) = slots.peek(later, k).filter(|&a| a != 0) {
-                        prefetch_at(a, 0..=0);
-                    }
-                }
-            }
+        let mut list = Vec::new();
+        let (mut memory, mut is_running, mut eligible) = (Vec::new(), Vec::new(), Vec::new());
+        for ws in workers.try_iter()? {
+            let ws = ws?;
             let exact = worker_type.is_some_and(|t| ws.get_type().is(t));
-            memory.push(worker_memory(ws, measure, formula.filter(|_| exact))?);
+            memory.push(worker_memory(&ws, measure, formula.filter(|_| exact))?);
             let status = ws.getattr(intern!(ws.py(), "status"))?;
             is_running.push(status.is(status_running) || status.eq(status_running)?);
             // Identity first; `in` (hash and __eq__) only for the others.
             eligible
-                .push(in_running.contains_key(&(ws.as_ptr() as usize)) || running.contains(ws)?);
+                .push(in_running.contains_key(&(ws.as_ptr() as usize)) || running.contains(&ws)?);
+            list.push(ws);
         }
         Self::new(list, memory, is_running, eligible)
     }

@@ -32,7 +32,7 @@ use pyo3::types::{PyDict, PyTuple, PyWeakrefReference};
 use crate::amm::{self, DropRequest};
 use crate::py_amm::{len_or_zero, task_slots, AddrMap, AmmRun, Prefetched, Prepared, TASK_LINES};
 use crate::py_set_order::SetTable;
-use crate::py_slots::prefetch_at;
+use crate::py_slots::{prefetch_ahead, prefetch_at};
 
 /// More changed tasks than this between two runs: forget them and rescan.
 const DIRTY_LIMIT: usize = 1 << 16;
@@ -182,10 +182,6 @@ impl ReplicaTracker {
     /// waiters are as they were unless a change touched them (then they are
     /// looked at again anyway): `len(who_has) - keep` is their excess now.
     fn settle_decided(&mut self, py: Python<'_>) -> PyResult<()> {
-        // Steps ahead at which a task, then its `who_has`, are prefetched (the
-        // tasks were last touched a run ago: mostly cache misses).
-        const TASK_AHEAD: usize = 16;
-        const VALUES_AHEAD: usize = 8;
         let mut decided = std::mem::take(&mut self.decided);
         let settle: Vec<(usize, Decided)> = decided
             .drain()
@@ -194,17 +190,20 @@ impl ReplicaTracker {
         // The map keeps its capacity for the next run.
         self.decided = decided;
         let slots = settle.first().and_then(|(_, d)| task_slots(d.ts.bind(py)));
-        for i in 0..settle.len() {
-            if let Some((a, _)) = settle.get(i + TASK_AHEAD) {
-                prefetch_at(*a, 0..=TASK_LINES);
-            }
-            if let (Some(slots), Some((_, later))) = (&slots, settle.get(i + VALUES_AHEAD)) {
-                // `len(who_has)` reads the set's first line only.
-                if let Some(who_has) = slots.peek(later.ts.bind(py), 0).filter(|&a| a != 0) {
-                    prefetch_at(who_has, 0..=0);
-                }
-            }
-            let (a, d) = &settle[i];
+        for (i, (a, d)) in settle.iter().enumerate() {
+            // The tasks were last touched a run ago: mostly cache misses.
+            prefetch_ahead(
+                &settle,
+                i,
+                |(a, _)| prefetch_at(*a, 0..=TASK_LINES),
+                |(_, later)| {
+                    // `len(who_has)` reads the set's first line only.
+                    let who_has = slots.as_ref().and_then(|s| s.peek(later.ts.bind(py), 0));
+                    if let Some(who_has) = who_has.filter(|&a| a != 0) {
+                        prefetch_at(who_has, 0..=0);
+                    }
+                },
+            );
             let n = len_or_zero(&d.ts.bind(py).getattr(intern!(py, "who_has"))?)?;
             if n as i64 > d.keep {
                 self.over.insert(*a, d.ts.clone_ref(py));
@@ -304,12 +303,9 @@ impl ReplicaTracker {
         addrs.dedup();
         let looked_at = addrs.len();
         // A reference to each, with the objects prefetched a few steps ahead.
-        const AHEAD: usize = 8;
         let mut look: Vec<(usize, Bound<'_, PyAny>)> = Vec::with_capacity(addrs.len());
         for (i, &a) in addrs.iter().enumerate() {
-            if let Some(&later) = addrs.get(i + AHEAD) {
-                prefetch_at(later, 0..=0);
-            }
+            prefetch_ahead(&addrs, i, |&later| prefetch_at(later, 0..=0), |_| {});
             // SAFETY: `a` is a key of `over`, `dirty` or `targets` (each holds
             // a reference to its object) or the address of one of `extra`;
             // none has changed since, so the object is alive.
@@ -387,24 +383,25 @@ impl ReplicaTracker {
 /// through one pass over the table that only compares addresses. Sets that
 /// cannot be read are iterated instead.
 fn order_as_iterated(tasks: &Bound<'_, PyAny>, chosen: &mut Vec<Prepared<'_>>) -> PyResult<()> {
-    // Hashes first: `__hash__` is Python code, which must not run while the
-    // table is borrowed.
-    let hashes: Vec<isize> = chosen
-        .iter()
-        .map(|t| t.ts.hash())
-        .collect::<PyResult<_>>()?;
-    let ranks = match SetTable::of(tasks) {
-        Some(table) => chosen
+    // Hashes first, and only for a set whose table can be read: `__hash__`
+    // is Python code, which must not run while the table is borrowed.
+    let hashes: Option<Vec<isize>> = match SetTable::of(tasks) {
+        Some(_) => Some(
+            chosen
+                .iter()
+                .map(|t| t.ts.hash())
+                .collect::<PyResult<_>>()?,
+        ),
+        None => None,
+    };
+    let ranks = match (hashes, SetTable::of(tasks)) {
+        (Some(hashes), Some(table)) => chosen
             .iter()
             .zip(&hashes)
             .map(|(t, &h)| table.slot_near(addr(&t.ts), h))
             .collect::<Option<Vec<usize>>>()
-            .or_else(|| Some(ranks_by_pass(table.addresses(), chosen))),
-        None => None,
-    };
-    let ranks = match ranks {
-        Some(r) => r,
-        None => {
+            .unwrap_or_else(|| ranks_by_pass(table.addresses(), chosen)),
+        _ => {
             let items = tasks
                 .try_iter()?
                 .map(|ts| ts.map(|ts| addr(&ts)))

@@ -121,6 +121,24 @@ fn measure(class: &Bound<'_, PyType>, names: &[&str]) -> PyResult<Option<Vec<usi
     Ok(Some(offsets))
 }
 
+/// Steps ahead at which a loop over many objects asks for an object's own
+/// cache lines, then (its slots being in the cache by then) for the objects
+/// its slots point to.
+const OBJECT_AHEAD: usize = 16;
+const VALUES_AHEAD: usize = 8;
+
+/// The prefetches of step `i` of a loop over `items`: `object` for the item
+/// `OBJECT_AHEAD` steps on, `values` for the one `VALUES_AHEAD` steps on.
+#[inline]
+pub(crate) fn prefetch_ahead<T>(items: &[T], i: usize, object: impl Fn(&T), values: impl Fn(&T)) {
+    if let Some(item) = items.get(i + OBJECT_AHEAD) {
+        object(item);
+    }
+    if let Some(item) = items.get(i + VALUES_AHEAD) {
+        values(item);
+    }
+}
+
 /// Ask the CPU to start loading cache lines `lines` (64 bytes each) of the
 /// object at `addr`. A hint: it never faults nor changes memory, whatever the
 /// address.
