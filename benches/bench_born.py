@@ -40,6 +40,7 @@ import operator
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -53,6 +54,9 @@ from distributed.spill import SpillBuffer as StockSpillBuffer
 
 from dask_shm import SharedMemoryPlugin
 from dask_shm.shared import born, born_worker, paths
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from clusters import worker_addresses  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -205,8 +209,7 @@ def _cluster(impl: str, root: str) -> tuple[LocalCluster, Client, str, str]:
         client.register_plugin(SharedMemoryPlugin(root=root))
     if impl.startswith("ours-born"):
         client.register_plugin(born_worker.BornSharedPlugin(born_worker.BornSettings(mode=True)))
-    # Not scheduler_info(): the client's periodic refresh can empty its "workers".
-    a, b = sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    a, b = worker_addresses(client)
     return cluster, client, a, b
 
 
