@@ -113,10 +113,10 @@ def steady_state(nworkers: int, nkeys: int) -> FakeScheduler:
 _managers: dict[tuple[str, str], Any] = {}
 #: Timed rounds of the changed-keys case, after ``WARMUP`` untimed ones, so
 #: that each side's rounds span seconds of host time (ours: ~5 ms a round,
-#: setup included, 3 s in all; stock: ~180 ms, 6 s). With 15 rounds each,
-#: ours' took 0.1 s, and a burst of another job's load on this shared host
-#: could set its median alone: it moved 2.2-5.0 ms between runs minutes
-#: apart, stock's 165-185 ms.
+#: setup included, 3 s in all; stock: ~180 ms, 6 s). With 15 or 30 rounds
+#: each, ours' took 0.1-0.2 s, and a burst of another job's load on this
+#: shared host could set its median alone: it moved 2.2-5.0 ms between runs
+#: minutes apart (ratios 36x-86x), stock's 165-185 ms.
 ROUNDS = {"stock": 30, "ours": 600}
 WARMUP = 5
 
