@@ -8,13 +8,10 @@ use std::io::{self, IoSlice};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use memmap2::MmapOptions;
-
 use crate::fs::write_all_vectored;
 
 /// Files smaller than this are deleted rather than pooled: their few pages
-/// cost less to allocate than the renames, checks and mapping that reuse
-/// takes (measured on a tmpfs: put + delete break even near 128 KiB; at
+/// cost less to allocate than the renames and checks that reuse takes (measured on a tmpfs: put + delete break even near 128 KiB; at
 /// 256 KiB reuse is about 1.5x faster, at 1 MiB 1.9x).
 pub const MIN_RECYCLE: u64 = 256 * 1024;
 /// Removed entries' files kept for reuse: `(size, n) -> path`, with the bytes
@@ -91,9 +88,7 @@ pub(crate) fn open_recycled(path: &Path) -> io::Result<(File, fs::Metadata)> {
     if !ours(&fs::symlink_metadata(path)?) {
         return Err(refused());
     }
-    // Read access too: a shared mapping needs it.
     let file = OpenOptions::new()
-        .read(true)
         .write(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(path)?;
@@ -105,58 +100,25 @@ pub(crate) fn open_recycled(path: &Path) -> io::Result<(File, fs::Metadata)> {
 }
 
 /// Overwrite a reused file of `meta` (opened by `open_recycled`) with
-/// `slices`, `total` bytes in all, leaving it exactly `total` bytes long.
+/// `slices`, `total` bytes in all, leaving it exactly `total` bytes long: the
+/// file is cut to `total` if longer, then written from its start with one
+/// vectored write. Where the file's pages exist, the kernel copies into them
+/// and allocates nothing; that is all reuse saves.
 ///
-/// With `map`, the part of the file whose pages already exist is written by
-/// copying into a shared mapping of it (`MAP_POPULATE`): on a tmpfs that is
-/// much cheaper than `write`, whose per-page work in the kernel costs about
-/// as much as the copy itself. Only on a RAM-backed file system
-/// (`fs::is_ram_backed`: tmpfs, ramfs; hugetlbfs refuses `write` before a
-/// file could be pooled), and only for a file with no holes: there, overwriting allocates nothing and cannot fail, whereas a
-/// mapped write that needs space (a hole, a copy-on-write file system)
-/// raises SIGBUS when there is none. Whatever is not mapped (an extension,
-/// or all of it when mapping is refused) is written with one vectored write.
+/// A write rather than a copy into a shared mapping: on a tmpfs (Linux 6.18)
+/// the mapping was never the faster of the two (an 18 MB overwrite: `pwrite`
+/// 2.1-3.3 ms, `MAP_POPULATE` mapping + copy + unmap 3.2-4.0 ms; five A/B
+/// pairs of `bench_spill`'s recycled spills: 6.4-6.8 vs 4.8-6.7 GB/s), and a
+/// store into a mapping faults with SIGBUS, not an error, if the file is cut
+/// meanwhile or has no space behind it.
 pub(crate) fn overwrite(
     file: &mut File,
     meta: &fs::Metadata,
     total: u64,
-    mut slices: &mut [IoSlice<'_>],
-    map: bool,
+    slices: &mut [IoSlice<'_>],
 ) -> io::Result<()> {
-    use std::io::{Seek, SeekFrom};
-    let old = meta.len();
-    if old > total {
+    if meta.len() > total {
         file.set_len(total)?;
-    }
-    let whole = meta.blocks().saturating_mul(512) >= old;
-    let mapped = old.min(total);
-    if map && whole && mapped > 0 {
-        // SAFETY: the file is our temporary: a hidden name in our 0700
-        // directory, one link, checked after opening, so nobody truncates it
-        // while mapped (another process of this user could, and would get us
-        // SIGBUS, the same assumption `map` makes). Its first `mapped` bytes
-        // exist and are allocated, so the stores below cannot fault for space.
-        let mapping = unsafe {
-            MmapOptions::new()
-                .len(mapped as usize)
-                .populate()
-                .map_mut(&*file)
-        };
-        // A refused mapping (map count limit, ...) just means writing it all.
-        if let Ok(mut mapping) = mapping {
-            let mut off = 0;
-            for slice in slices.iter() {
-                let n = slice.len().min(mapping.len() - off);
-                mapping[off..off + n].copy_from_slice(&slice[..n]);
-                off += n;
-                if off == mapping.len() {
-                    break;
-                }
-            }
-            drop(mapping);
-            IoSlice::advance_slices(&mut slices, off);
-            file.seek(SeekFrom::Start(off as u64))?;
-        }
     }
     write_all_vectored(file, slices)
 }

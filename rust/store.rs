@@ -37,9 +37,7 @@ use std::sync::{Mutex, MutexGuard};
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::format::{self, FormatError, Layout};
-use crate::fs::{
-    create_private, is_ram_backed, open_nofollow, prepare_directory, write_all_vectored,
-};
+use crate::fs::{create_private, open_nofollow, prepare_directory, write_all_vectored};
 use crate::ledger::{Ledger, Sizes};
 use crate::peer::PeerFile;
 use crate::recycle::{open_recycled, overwrite, Pool, MIN_RECYCLE};
@@ -95,9 +93,6 @@ pub struct FileStore {
     tag: String,
     /// Files kept for reuse; None when recycling is off.
     pool: Option<Mutex<Pool>>,
-    /// The directory is RAM-backed (`fs::is_ram_backed`): reused files are
-    /// written through a mapping (see `overwrite`).
-    tmpfs: bool,
 }
 
 /// A copying read in progress: while it lives, removing the entry deletes
@@ -191,7 +186,6 @@ impl FileStore {
                     ..Pool::default()
                 })
             }),
-            tmpfs: recycle_bytes > 0 && is_ram_backed(&dir),
             dir,
         })
     }
@@ -305,13 +299,7 @@ impl FileStore {
         if let Some((mut file, meta)) = recycled {
             // `overwrite` advances the slices it is given: keep the originals
             // for a fresh write if it fails.
-            match overwrite(
-                &mut file,
-                &meta,
-                layout.file_size,
-                &mut slices.clone(),
-                self.tmpfs,
-            ) {
+            match overwrite(&mut file, &meta, layout.file_size, &mut slices.clone()) {
                 Ok(()) => {
                     drop(file);
                     return self.publish_tmp(&tmp, stem, n);
@@ -654,6 +642,7 @@ impl FileStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fs::is_ram_backed;
     use std::fs::OpenOptions;
     use std::os::unix::fs::PermissionsExt;
     use std::sync::Arc;
@@ -861,8 +850,8 @@ mod tests {
 
     const KIB: usize = 1024;
 
-    /// Directories to run recycling tests in: a disk directory (vectored
-    /// writes) and, when available, a tmpfs one (writes through a mapping).
+    /// Directories to run recycling tests in: a disk directory and, when
+    /// available, a tmpfs one.
     fn recycle_dirs() -> Vec<tempfile::TempDir> {
         let mut dirs = vec![tempfile::tempdir().unwrap()];
         if let Ok(shm) = tempfile::tempdir_in("/dev/shm") {
@@ -1156,7 +1145,7 @@ mod tests {
                 let f = OpenOptions::new().write(true).open(&pooled).unwrap();
                 f.set_len(cut).unwrap();
                 if i == 2 {
-                    // back to full size, with a hole: never written through a mapping
+                    // back to full size, with a hole the write fills
                     f.set_len(2 << 20).unwrap();
                 }
                 drop(f);

@@ -23,8 +23,8 @@ MiB = 2**20
 
 @pytest.fixture(params=["shm", "disk"])
 def directory(request, shm_dir, tmp_path) -> str:
-    """A directory on a tmpfs (reused files are written through a mapping)
-    and one on the test's temporary file system (vectored writes)."""
+    """A directory on a tmpfs (where reuse saves the kernel's page
+    allocation) and one on the test's temporary file system."""
     return shm_dir if request.param == "shm" else str(tmp_path)
 
 
