@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 use crate::fs::write_all_vectored;
 
 /// Files smaller than this are deleted rather than pooled: their few pages
-/// cost less to allocate than the renames and checks that reuse takes (measured on a tmpfs: put + delete break even near 128 KiB; at
-/// 256 KiB reuse is about 1.5x faster, at 1 MiB 1.9x).
+/// cost less to allocate than the renames and checks that reuse takes
+/// (measured on a tmpfs: put + delete break even near 128 KiB; at 256 KiB
+/// reuse is about 1.5x faster, at 1 MiB 1.9x).
 pub const MIN_RECYCLE: u64 = 256 * 1024;
 /// Removed entries' files kept for reuse: `(size, n) -> path`, with the bytes
 /// they hold plus admissions in flight, bounded by `cap`.
