@@ -325,6 +325,37 @@ def test_freed_files_are_overwritten_by_later_results(
     assert max(seen) <= 3 + 3 * 2 + 2, seen
 
 
+class _InFlight(Callback):
+    """Counts the tasks the parent has sent and not yet seen finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0
+        self.most = 0
+
+    def _pretask(self, key: object, dsk: object, state: object) -> None:
+        self.now += 1
+        self.most = max(self.most, self.now)
+
+    def _posttask(self, *args: object) -> None:
+        self.now -= 1
+
+
+@pytest.mark.parametrize(("queued", "expected"), [(None, 4), (0, 2), (2, 6)])
+def test_tasks_are_queued_ahead_for_each_pool_process(
+    pool: ProcessPoolExecutor, shm_base: Path, queued: int | None, expected: int
+) -> None:
+    """With 2 pool processes, 2 x (1 + queued) tasks are in flight at most
+    (default 1 queued per process; 0 is stock's one per process), and the
+    results are those of the sync scheduler."""
+    dsk = {("t", i): (sleep_then_return, i, 0.2) for i in range(10)}
+    counter = _InFlight()
+    with counter:
+        result = get(dsk, list(dsk), pool=pool, queued_tasks=queued)
+    assert result == tuple(range(10))
+    assert counter.most == expected
+
+
 def test_a_thread_pool_in_the_parent_keeps_results_intact(shm_base: Path) -> None:
     """With a user's thread pool, tasks run in the parent itself: files handed
     out for reuse come back to the parent's list, and results stay right."""
@@ -421,6 +452,12 @@ def test_bad_arguments_and_config_are_named(shm_base: Path) -> None:
     with dask.config.set({"shm.local.recycle-bytes": "-1 MiB"}):
         with pytest.raises(ValueError, match=r"shm\.local\.recycle-bytes .*'-1 MiB'"):
             get(dsk, "x")
+    for bad in (-1, "two", True, 1.5):
+        with dask.config.set({"shm.local.queued-tasks": bad}):
+            with pytest.raises(ValueError, match=r"shm\.local\.queued-tasks must be an integer"):
+                get(dsk, "x")
+    with pytest.raises(ValueError, match=r"queued_tasks must be an integer >= 0; got -1"):
+        get(dsk, "x", queued_tasks=-1)
 
 
 def test_fallback_when_dev_shm_is_unusable(

@@ -29,6 +29,12 @@ Keys (all under ``shm.local``, settable with ``dask.config.set``):
     True (default): keep the process pool :func:`dask_shm.local.get` creates
     between computations (see :mod:`dask_shm.local.pool`); False: a pool per
     computation, as ``scheduler="processes"`` does.
+``queued-tasks``
+    Tasks sent ahead to the pool for each pool process, beyond the one it is
+    running (in batches of ``chunksize``), so that a process that finishes a
+    task starts the next at once instead of waiting for the parent to handle
+    its result and send another. Default 1; 0 keeps one task in flight per
+    process, as ``scheduler="processes"`` does.
 """
 
 from __future__ import annotations
@@ -167,4 +173,23 @@ def warm_pool() -> bool:
         return True
     if not isinstance(value, bool):
         raise ValueError(f"{PREFIX}.warm-pool must be true or false; got {value!r}")
+    return value
+
+
+_DEFAULT_QUEUED = 1
+
+
+def queued_tasks(value: object = None) -> int:
+    """Tasks queued per pool process beyond the running one, from the argument,
+    else ``shm.local.queued-tasks``, else 1.
+
+    Raises ValueError naming the key when it is not an int >= 0.
+    """
+    key = "queued_tasks" if value is not None else f"{PREFIX}.queued-tasks"
+    if value is None:
+        value = _get("queued-tasks")
+        if value is None:
+            return _DEFAULT_QUEUED
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
     return value

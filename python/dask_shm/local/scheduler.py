@@ -69,6 +69,7 @@ def get(
     memory_target: int | float | str | None = None,
     shm_threshold: int | str | None = None,
     warm: bool | None = None,
+    queued_tasks: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run a dask graph on a process pool, moving large buffers through
@@ -141,6 +142,12 @@ def get(
     warm:
         Use (and keep) the warm pool; default ``shm.local.warm-pool`` (True).
         Ignored when ``pool`` is given.
+    queued_tasks:
+        Tasks sent ahead for each pool process beyond the one it runs (in
+        batches of ``chunksize``); default ``shm.local.queued-tasks`` (1). A
+        process that finishes a task then starts the next at once instead of
+        idling while the parent handles its result and sends another; 0 keeps
+        one task (batch) in flight per process, as ``scheduler="processes"``.
     **kwargs:
         Passed to ``dask.local.get_async`` (``callbacks``,
         ``rerun_exceptions_locally``, ...).
@@ -151,14 +158,15 @@ def get(
         ``func_dumps``/``func_loads`` were given: this scheduler serializes
         with its own transport.
     ValueError
-        A bad ``memory_target``, ``shm_threshold`` or ``shm.local.*``
-        config value (the message names it and the accepted values).
+        A bad ``memory_target``, ``shm_threshold``, ``queued_tasks`` or
+        ``shm.local.*`` config value (the message names it and the accepted values).
     """
     for name in ("func_dumps", "func_loads"):
         if kwargs.pop(name, None) is not None:
             raise TypeError(f"dask_shm.get does its own serialization; {name} is not supported")
     threshold = config.shm_threshold(shm_threshold)
     recycle_bytes = config.recycle_bytes()
+    queued = config.queued_tasks(queued_tasks)
     target = config.memory_target(memory_target) if cache is None else None
     chunksize = chunksize or dask_config.get("chunksize", 1)
     pool = pool or dask_config.get("pool", None)
@@ -200,9 +208,11 @@ def get(
             # Not ours to stop: on failure, wait for what is still running.
             stack.callback(submit.drain)
 
+        # get_async keeps at most this many tasks (batches) in flight.
+        in_flight = executor._max_workers * (1 + queued)  # type: ignore[attr-defined]
         result = get_async(
             submit,
-            executor._max_workers,  # type: ignore[attr-defined]
+            in_flight,
             dsk3,
             keys,
             cache=cache,
