@@ -225,6 +225,12 @@ impl FileStore {
             .map_err(|e| to_pyerr_at(e, &self.inner.path_of(name)))
     }
 
+    /// Stop accounting the entry `name`, leaving its file in place (another
+    /// process now decides when it is deleted or reused); False if unknown.
+    fn forget(&self, name: &str) -> bool {
+        self.inner.forget(name)
+    }
+
     /// Forget an entry and delete its file (a file already gone is fine).
     /// Returns `(memory, disk)` that were accounted, or None if unknown.
     fn delete(&self, py: Python<'_>, name: &str) -> PyResult<Option<(u64, u64)>> {

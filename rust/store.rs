@@ -589,6 +589,12 @@ impl FileStore {
         }
     }
 
+    /// Stop accounting the entry `name` and leave its file alone (someone
+    /// else now owns and will delete or reuse it); false if unknown.
+    pub fn forget(&self, name: &str) -> bool {
+        self.ledger().remove_entry(name).is_some()
+    }
+
     /// Take the file `name` of this directory (an entry of this store, or a
     /// file another process wrote into the same directory) into the reuse
     /// pool, or delete it if the pool cannot keep it (no recycling, full, too
@@ -868,6 +874,18 @@ mod tests {
             .map(|i| (i as u8) ^ seed.wrapping_mul(31))
             .collect();
         vec![vec![seed; 7], payload]
+    }
+
+    #[test]
+    fn forget_drops_the_entry_and_keeps_the_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = FileStore::open(tmp.path().join("spill")).unwrap();
+        let (name, _) = put_frames(&store, "x", &[vec![7u8; 5000]]);
+        assert!(store.forget(&name));
+        assert!(!store.forget(&name));
+        assert!(store.is_empty());
+        assert_eq!(store.total().disk, 0);
+        assert!(store.path_of(&name).exists());
     }
 
     fn put_frames(store: &FileStore, stem: &str, frames: &[Vec<u8>]) -> (String, u64) {

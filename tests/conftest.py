@@ -11,6 +11,8 @@ from pathlib import Path
 import dask
 import pytest
 
+from dask_shm.local import release_idle_files
+
 
 @pytest.fixture
 def shm_dir() -> Iterator[str]:
@@ -25,12 +27,14 @@ def shm_dir() -> Iterator[str]:
 @pytest.fixture
 def shm_base() -> Iterator[Path]:
     """A fresh directory on /dev/shm as ``shm.local.shm-directory`` (the local
-    scheduler's); the test fails if anything is left in it afterwards."""
+    scheduler's); the test fails if anything is left in it once the warm pool
+    has let go of the files it keeps for the next computation."""
     base = Path("/dev/shm") / f"dask-shm-test-{uuid.uuid4().hex[:12]}"
     base.mkdir(mode=0o700)
     try:
         with dask.config.set({"shm.local.shm-directory": str(base)}):
             yield base
+        release_idle_files()
         leftovers = sorted(str(p.relative_to(base)) for p in base.rglob("*"))
         assert leftovers == [], f"files left behind: {leftovers}"
     finally:

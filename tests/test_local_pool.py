@@ -8,6 +8,7 @@ Real spawn pools and real files under /dev/shm.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import numpy as np
 import psutil
 import pytest
 
-from dask_shm.local import get, shutdown_pool
+from dask_shm.local import get, release_idle_files, shutdown_pool
 from dask_shm.local.pool import warm_pool_pids
 
 pytestmark = pytest.mark.timeout(180)
@@ -221,23 +222,101 @@ def mapped_files_under(pid: int, base: Path) -> list[str]:
         return [line.split(None, 5)[-1].strip() for line in f if str(base) in line]
 
 
-def test_many_computations_leave_no_files_or_mappings(shm_base: Path) -> None:
-    parent = os.getpid()
-    for i in range(40):
-        x = da.random.RandomState(i).random((800, 800), chunks=(400, 400))
-        y = (x + x.T) * 2
-        (result,) = dask.compute((y @ y.T).sum(axis=0), scheduler=get, num_workers=2)
-        assert result.shape == (800,)
-        del result
-        assert list(shm_base.iterdir()) == [], f"computation {i} left files"
+def files_under(base: Path) -> list[Path]:
+    return sorted(p for p in base.rglob("*") if p.is_file())
+
+
+def assert_nothing_mapped_or_open(base: Path) -> None:
+    # Files deleted but still mapped or open would hold RAM invisibly.
+    for pid in [os.getpid(), *warm_pool_pids()]:
+        assert mapped_files_under(pid, base) == [], pid
+    for pid in warm_pool_pids():
+        open_files = [f.path for f in psutil.Process(pid).open_files()]
+        assert not [f for f in open_files if f.startswith(str(base))], open_files
+
+
+def matmul_sum(seed: int) -> np.ndarray:
+    x = da.random.RandomState(seed).random((800, 800), chunks=(400, 400))
+    y = (x + x.T) * 2
+    (result,) = dask.compute((y @ y.T).sum(axis=0), scheduler=get, num_workers=2)
+    return result
+
+
+def test_many_computations_keep_only_unmapped_files_for_reuse(shm_base: Path) -> None:
+    """Between computations the warm pool keeps one directory with files for
+    the next computation to overwrite: within the reuse budgets, mapped by no
+    process; the next computation works in the same directory. Releasing it
+    leaves nothing, and the pool goes on."""
+    recycle = 4 * 2**20
+    directories = set()
+    with dask.config.set({"shm.local.recycle-bytes": recycle}):
+        for i in range(40):
+            result = matmul_sum(i)
+            assert result.shape == (800,)
+            del result
+            directories |= {p for p in shm_base.iterdir()}
+            kept = [p for p in files_under(shm_base) if p.name != ".lock"]
+            # the parent's budget plus each of the two pool processes' own
+            assert sum(p.stat().st_size for p in kept) <= 3 * recycle, kept
+            assert_nothing_mapped_or_open(shm_base)
+        assert len(directories) == 1, directories
+        assert kept, "files are kept for the next computation"
     pool = warm_pool_pids()
     assert len(pool) == 2
-    # Files deleted but still mapped would hold RAM invisibly.
-    for pid in [parent, *pool]:
-        assert mapped_files_under(pid, shm_base) == [], pid
-    for pid in pool:
-        open_files = [f.path for f in psutil.Process(pid).open_files()]
-        assert not [f for f in open_files if f.startswith(str(shm_base))], open_files
+    release_idle_files()
+    assert list(shm_base.iterdir()) == []
+    assert_nothing_mapped_or_open(shm_base)
+    assert warm_pool_pids() == pool
+    assert matmul_sum(0).shape == (800,)  # a fresh directory
+
+
+def test_kept_files_are_removed_after_the_idle_timeout(shm_base: Path) -> None:
+    with dask.config.set({"shm.local.idle-file-timeout": "0.3 s"}):
+        matmul_sum(1)
+        assert list(shm_base.iterdir()) != []
+        deadline = time.monotonic() + 10
+        while list(shm_base.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(shm_base.iterdir()) == []
+        assert len(warm_pool_pids()) == 2
+
+
+def test_no_files_kept_with_a_zero_idle_timeout_or_a_failure(shm_base: Path) -> None:
+    with dask.config.set({"shm.local.idle-file-timeout": 0}):
+        for i in range(3):
+            matmul_sum(i)
+            assert list(shm_base.iterdir()) == []
+    matmul_sum(3)
+    assert list(shm_base.iterdir()) != []
+    dsk = {"x": (big_array, 0), "y": (fail, "x")}
+    with pytest.raises(ValueError, match="on purpose"):
+        get(dsk, "y", num_workers=2)
+    assert list(shm_base.iterdir()) == []  # the failed computation removed it
+    assert_nothing_mapped_or_open(shm_base)
+
+
+def test_kept_files_follow_the_configured_directory(shm_base: Path, tmp_path: Path) -> None:
+    """A computation after a change of shm.local.shm-directory works under
+    the new base; the directory kept under the old one is removed."""
+    matmul_sum(0)
+    assert list(shm_base.iterdir()) != []
+    other = Path("/dev/shm") / f"{shm_base.name}-other"
+    other.mkdir(mode=0o700)
+    try:
+        with dask.config.set({"shm.local.shm-directory": str(other)}):
+            matmul_sum(1)
+            assert list(shm_base.iterdir()) == []
+            assert list(other.iterdir()) != []
+            release_idle_files()
+            assert list(other.iterdir()) == []
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+
+
+def test_bad_idle_file_timeout_is_named(shm_base: Path) -> None:
+    with dask.config.set({"shm.local.idle-file-timeout": "soon"}):
+        with pytest.raises(ValueError, match=r"shm\.local\.idle-file-timeout must be a duration"):
+            get({"x": 1}, "x")
 
 
 # --- what a pool process imports, and exit ---------------------------------------------

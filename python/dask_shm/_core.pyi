@@ -79,6 +79,9 @@ class FileStore:
         or a file another process wrote here) into the reuse pool, or delete
         it if the pool cannot keep it; True if pooled. The caller guarantees
         nobody maps or reads it any more. OSError for an invalid name."""
+    def forget(self, name: str) -> bool:
+        """Stop accounting the entry ``name``, leaving its file in place;
+        False if unknown."""
     def delete(self, name: str) -> tuple[int, int] | None:
         """Forget an entry and delete (or, recycling, pool) its file;
         ``(memory, disk)`` it had, or None."""

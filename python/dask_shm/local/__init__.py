@@ -5,6 +5,8 @@
 - :class:`SpillCache`: a spilling ``cache=`` for the local schedulers, so that
   computations with more live intermediates than RAM spill instead of dying.
 - :func:`shutdown_pool`: close the warm pool ``get`` keeps between computations.
+- :func:`release_idle_files`: free now the files the idle warm pool keeps for
+  the next computation.
 
 The names are imported on first use: pool processes only need
 :mod:`dask_shm.local.transport`, and should not pay for importing the rest.
@@ -18,15 +20,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dask_shm.local.cache import SpillCache
     from dask_shm.local.config import parse_memory_target
-    from dask_shm.local.pool import shutdown_pool
+    from dask_shm.local.pool import release_idle_files, shutdown_pool
     from dask_shm.local.scheduler import get
 
-__all__ = ["SpillCache", "get", "parse_memory_target", "shutdown_pool"]
+__all__ = ["SpillCache", "get", "parse_memory_target", "release_idle_files", "shutdown_pool"]
 
 _WHERE = {
     "SpillCache": "dask_shm.local.cache",
     "get": "dask_shm.local.scheduler",
     "parse_memory_target": "dask_shm.local.config",
+    "release_idle_files": "dask_shm.local.pool",
     "shutdown_pool": "dask_shm.local.pool",
 }
 

@@ -29,6 +29,13 @@ Keys (all under ``shm.local``, settable with ``dask.config.set``):
     True (default): keep the process pool :func:`dask_shm.local.get` creates
     between computations (see :mod:`dask_shm.local.pool`); False: a pool per
     computation, as ``scheduler="processes"`` does.
+``idle-file-timeout``
+    How long the warm pool keeps the files the last computation left for
+    reuse (at most ``recycle-bytes`` in the parent plus as much in each pool
+    process, none of them mapped): a computation started meanwhile overwrites
+    them instead of allocating new pages, and the one that ended did not
+    spend its time deleting them. A duration (``"5 s"``) or seconds; 0
+    deletes them when the computation ends. Default ``"5 s"``.
 ``queued-tasks``
     Tasks sent ahead to the pool for each pool process, beyond the one it is
     running (in batches of ``chunksize``), so that a process that finishes a
@@ -40,10 +47,11 @@ Keys (all under ``shm.local``, settable with ``dask.config.set``):
 from __future__ import annotations
 
 import tempfile
+from typing import Any, cast
 
 import dask.config
 import psutil
-from dask.utils import parse_bytes
+from dask.utils import parse_bytes, parse_timedelta
 
 PREFIX = "shm.local"
 _DEFAULT_THRESHOLD = 64 * 1024
@@ -193,3 +201,28 @@ def queued_tasks(value: object = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
     return value
+
+
+_DEFAULT_IDLE_FILE_TIMEOUT = 5.0
+
+
+def idle_file_timeout() -> float:
+    """``shm.local.idle-file-timeout`` in seconds (default 5; 0: off).
+
+    Raises ValueError naming the key when it is not a duration >= 0.
+    """
+    key = f"{PREFIX}.idle-file-timeout"
+    value = _get("idle-file-timeout")
+    if value is None:
+        return _DEFAULT_IDLE_FILE_TIMEOUT
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        seconds = parse_timedelta(cast(Any, value), default="seconds")
+    except (TypeError, ValueError, KeyError):
+        seconds = -1
+    if seconds is None or seconds < 0:
+        raise ValueError(
+            f"{key} must be a duration such as '5 s' or a number of seconds >= 0; got {value!r}"
+        )
+    return float(seconds)

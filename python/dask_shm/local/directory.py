@@ -77,7 +77,8 @@ class ShmDirectory:
     """
 
     def __init__(self) -> None:
-        base = config.shm_directory_base()
+        #: ``shm.local.shm-directory`` when it was created (None: the default).
+        self.base = base = config.shm_directory_base()
         if base is None:
             try:
                 self.path = self._create("/dev/shm")

@@ -15,6 +15,13 @@ pool is kept between computations, the way Ray keeps its workers:
   it gets a pool of its own, torn down when it ends (the behaviour of
   ``warm_pool=False``).
 - It is shut down at interpreter exit, or by :func:`shutdown_pool`.
+- It keeps the directory of the last computation that succeeded on it, with
+  the files left there for reuse (see :meth:`Transport.park
+  <dask_shm.local.transport.Transport.park>`), for
+  ``shm.local.idle-file-timeout`` (5 s): the next computation on the pool
+  within that time works in it and overwrites those files. The directory is
+  removed when that time passes, when the pool is closed or replaced, and by
+  :func:`release_idle_files`.
 
 A new pool starts all its processes at once and has them import the transport
 right away, so that this overlaps with the parent's graph preparation.
@@ -40,6 +47,9 @@ from typing import Any
 
 from dask.multiprocessing import get_context, initialize_worker_process
 from dask.system import CPU_COUNT
+
+from dask_shm.local import config
+from dask_shm.local.directory import ShmDirectory
 
 #: Thread-count variables of OpenMP, OpenBLAS and MKL, read when they load.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -134,68 +144,155 @@ def _key(num_workers: int, initializer: Callable[[], None] | None) -> tuple[Any,
     )
 
 
+class Lease:
+    """What one computation gets: a pool and the directory for its files.
+
+    ``files`` lists files of ``directory`` left by the previous computation
+    for reuse (``name -> size``). Set ``kept`` (with
+    :meth:`Transport.park <dask_shm.local.transport.Transport.park>`) before
+    the block ends to have the warm pool keep the directory with those files;
+    otherwise the directory is removed once the pool is stopped or given back.
+    ``can_keep`` says whether the pool would keep it.
+    """
+
+    def __init__(
+        self,
+        executor: ProcessPoolExecutor,
+        directory: ShmDirectory,
+        files: dict[str, int] | None = None,
+        can_keep: bool = False,
+    ):
+        self.executor = executor
+        self.directory = directory
+        self.files = files or {}
+        self.can_keep = can_keep
+        self.kept: dict[str, int] | None = None
+
+
 class _WarmPool:
     def __init__(self) -> None:
         self.lock = threading.Lock()  # held by the computation using the pool
         self.guard = threading.Lock()  # protects the fields below
         self.pool: ProcessPoolExecutor | None = None
         self.key: tuple[Any, ...] | None = None
+        #: The last computation's directory and the files kept in it for reuse.
+        self.parked: tuple[ShmDirectory, dict[str, int]] | None = None
+        self.timer: threading.Timer | None = None
 
-    def _take(self, key: tuple[Any, ...]) -> ProcessPoolExecutor | None:
-        """The pool if it matches ``key`` and is healthy; else close it (idle)
-        and return None."""
+    def _unpark(self) -> tuple[ShmDirectory, dict[str, int]] | None:
+        """Take the parked directory, if any (caller holds ``guard``)."""
+        parked, self.parked = self.parked, None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        return parked
+
+    def _take(
+        self, key: tuple[Any, ...]
+    ) -> tuple[ProcessPoolExecutor | None, tuple[ShmDirectory, dict[str, int]] | None]:
+        """The pool and its parked directory if it matches ``key`` and is
+        healthy; else close both (the pool is idle) and return Nones."""
         with self.guard:
             pool, self.pool = self.pool, None
             same = self.key == key
             self.key = None
+            parked = self._unpark()
+        if pool is not None and same and is_healthy(pool):
+            return pool, parked
+        if parked is not None:
+            parked[0].close()
         if pool is None:
-            return None
-        if same and is_healthy(pool):
-            return pool
+            return None, None
         if is_healthy(pool):
             pool.shutdown(wait=True)
         else:
             kill_pool(pool)
-        return None
+        return None, None
 
-    def _give_back(self, pool: ProcessPoolExecutor, key: tuple[Any, ...]) -> None:
+    def _give_back(
+        self,
+        pool: ProcessPoolExecutor,
+        key: tuple[Any, ...],
+        parked: tuple[ShmDirectory, dict[str, int]] | None,
+        timeout: float,
+    ) -> None:
         with self.guard:
             self.pool, self.key = pool, key
+            self.parked = parked
+            if parked is not None:
+                self.timer = threading.Timer(timeout, self._expire, args=(parked[0],))
+                self.timer.daemon = True
+                self.timer.start()
+
+    def _expire(self, directory: ShmDirectory) -> None:
+        """The idle time of a parked directory is over: remove it, unless a
+        computation has taken it meanwhile."""
+        with self.guard:
+            if self.parked is None or self.parked[0] is not directory:
+                return
+            self.parked = None
+            self.timer = None
+        directory.close()
+
+    def release_files(self) -> None:
+        with self.guard:
+            parked = self._unpark()
+        if parked is not None:
+            parked[0].close()
 
     @contextmanager
-    def use(
-        self, num_workers: int, initializer: Callable[[], None] | None
-    ) -> Iterator[ProcessPoolExecutor]:
+    def use(self, num_workers: int, initializer: Callable[[], None] | None) -> Iterator[Lease]:
         """The warm pool for one computation; if it is in use by another
         computation, a private pool closed at the end. If the block raises, the
-        pool is killed and not kept."""
+        pool is killed and not kept, and the directory removed."""
         if not self.lock.acquire(blocking=False):
-            with private_pool(num_workers, initializer) as pool:
-                yield pool
+            with private_pool(num_workers, initializer) as lease:
+                yield lease
             return
         try:
             key = _key(num_workers, initializer)
-            pool = self._take(key) or new_pool(num_workers, initializer)
+            timeout = config.idle_file_timeout()
+            pool, parked = self._take(key)
+            if parked is not None and parked[0].base != config.shm_directory_base():
+                parked[0].close()  # shm.local.shm-directory changed meanwhile
+                parked = None
+            if parked is None:
+                try:
+                    parked = (ShmDirectory(), {})
+                except BaseException:
+                    if pool is not None:
+                        self._give_back(pool, key, None, timeout)
+                    raise
+            pool = pool or new_pool(num_workers, initializer)
+            lease = Lease(pool, parked[0], parked[1], can_keep=timeout > 0)
             try:
-                yield pool
+                yield lease
             except BaseException:
                 kill_pool(pool)
+                lease.directory.close()
                 raise
             if is_healthy(pool):
-                self._give_back(pool, key)
+                kept = None if lease.kept is None else (lease.directory, lease.kept)
+                self._give_back(pool, key, kept, timeout)
+                if kept is None:
+                    lease.directory.close()
             else:
                 kill_pool(pool)
+                lease.directory.close()
         finally:
             self.lock.release()
 
     def shutdown(self) -> None:
         with self.guard:
             pool, self.pool, self.key = self.pool, None, None
+            parked = self._unpark()
         if pool is not None:
             if is_healthy(pool):
                 pool.shutdown(wait=True, cancel_futures=True)
             else:
                 kill_pool(pool)
+        if parked is not None:
+            parked[0].close()
 
     def processes(self) -> list[int]:
         with self.guard:
@@ -205,18 +302,20 @@ class _WarmPool:
 
 
 @contextmanager
-def private_pool(
-    num_workers: int, initializer: Callable[[], None] | None
-) -> Iterator[ProcessPoolExecutor]:
-    """A pool for one computation: shut down when the block ends, killed at
-    once if it raises."""
-    pool = new_pool(num_workers, initializer)
+def private_pool(num_workers: int, initializer: Callable[[], None] | None) -> Iterator[Lease]:
+    """A pool and a directory for one computation: the pool is shut down when
+    the block ends (killed at once if it raises), then the directory removed."""
+    directory = ShmDirectory()
     try:
-        yield pool
-    except BaseException:
-        kill_pool(pool)
-        raise
-    pool.shutdown(wait=True)
+        pool = new_pool(num_workers, initializer)
+        try:
+            yield Lease(pool, directory)
+        except BaseException:
+            kill_pool(pool)
+            raise
+        pool.shutdown(wait=True)
+    finally:
+        directory.close()
 
 
 _WARM = _WarmPool()
@@ -231,6 +330,14 @@ def shutdown_pool() -> None:
     one. Safe to call at any time; a computation running on it keeps its pool
     and gives it back when it ends."""
     _WARM.shutdown()
+
+
+def release_idle_files() -> None:
+    """Remove now the directory and files the idle warm pool keeps for the
+    next computation (``shm.local.idle-file-timeout``), freeing their
+    shared memory; the pool itself stays. Safe to call at any time: a
+    computation running on the pool is not affected."""
+    _WARM.release_files()
 
 
 def warm_pool_pids() -> list[int]:

@@ -7,6 +7,8 @@ import threading
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import CancelledError, Executor, Future
 from contextlib import ExitStack
+from functools import partial
+from types import TracebackType
 from typing import Any
 
 from dask import config as dask_config
@@ -19,7 +21,7 @@ from dask.utils import ensure_dict
 
 from dask_shm.local import config
 from dask_shm.local.directory import ShmDirectory
-from dask_shm.local.pool import private_pool, warm_pool
+from dask_shm.local.pool import Lease, private_pool, warm_pool
 from dask_shm.local.transport import Transport
 
 
@@ -54,6 +56,25 @@ class _TrackedSubmit:
                 fut.exception()
             except CancelledError:
                 pass
+
+
+def _end_transport(
+    transport: Transport,
+    lease: Lease | None,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+    tb: TracebackType | None,
+) -> None:
+    """Leave the computation's transport: with a pool of our own, its files
+    are kept for the next computation (success, warm pool) or removed with the
+    directory once the pool is stopped; with the caller's pool, whose tasks
+    have been waited for, they are removed now."""
+    if lease is None:
+        transport.close()
+    elif exc_type is None and lease.can_keep:
+        lease.kept = transport.park()
+    else:
+        transport.close(remove=False)
 
 
 def get(
@@ -95,21 +116,30 @@ def get(
       an unmodified input or view of one in a pool process) is passed on as a
       reference to that file, never written again.
     - Files of intermediates nobody needs any more are kept (up to
-      ``shm.local.recycle-bytes``, 256 MiB) and overwritten by later results
-      instead of being deleted and allocated anew; a file is never
-      overwritten while the parent or a pool process still maps it.
+      ``shm.local.recycle-bytes``, 256 MiB, in the parent and in each pool
+      process) and overwritten by later results instead of being deleted and
+      allocated anew; a file is never overwritten while the parent or a pool
+      process still maps it.
     - The pool ``get`` creates is kept warm for the next computation (unless
       ``warm=False`` or ``shm.local.warm-pool`` is false) and reused only if
       healthy and started for the same ``num_workers``, context, initializer
       and ``PYTHONHASHSEED``; otherwise it is closed and a new one started. It
       is shut down at exit or by :func:`dask_shm.local.shutdown_pool`.
-    - The directory and all its files are gone when ``get`` returns or raises:
-      on success, on a task error, on KeyboardInterrupt and when a pool process
-      dies (that raises ``BrokenProcessPool``, as with
-      ``scheduler="processes"``). On any failure the pool ``get`` created (warm
-      or not) is terminated at once (stock waits for the tasks still running)
-      and never reused; a directory left by a process killed outright
-      (SIGKILL) is removed by the next computation.
+    - When ``get`` raises (a task error, KeyboardInterrupt, a pool process
+      that died, which raises ``BrokenProcessPool`` as with
+      ``scheduler="processes"``), the directory and all its files are gone,
+      and the pool ``get`` created (warm or not) has been terminated at once
+      (stock waits for the tasks still running) and is never reused.
+    - When it returns, the same holds, except on the warm pool: there the
+      directory stays with only the files kept for reuse (at most
+      ``recycle-bytes`` in the parent plus as much per pool process), which
+      no process maps, for ``shm.local.idle-file-timeout`` (5 s; 0: not
+      kept). The next computation on the pool within that time overwrites
+      them instead of allocating new pages; then, or when the pool is closed
+      or replaced, or on :func:`dask_shm.local.release_idle_files`, the
+      directory is removed.
+    - A directory left by a process killed outright (SIGKILL) is removed by
+      the next computation.
     - A task error is raised in the caller with the task's exception type,
       message and remote traceback, as with ``scheduler="processes"``;
       ``rerun_exceptions_locally=True`` re-runs the failing task in the
@@ -167,6 +197,7 @@ def get(
     threshold = config.shm_threshold(shm_threshold)
     recycle_bytes = config.recycle_bytes()
     queued = config.queued_tasks(queued_tasks)
+    config.idle_file_timeout()  # read by the warm pool; a bad value fails here, always
     target = config.memory_target(memory_target) if cache is None else None
     chunksize = chunksize or dask_config.get("chunksize", 1)
     pool = pool or dask_config.get("pool", None)
@@ -187,22 +218,28 @@ def get(
             from dask_shm.local.cache import SpillCache  # imports distributed
 
             cache = stack.enter_context(SpillCache(target))
-        shm = ShmDirectory()
-        stack.callback(shm.close)
-        transport = Transport(shm.path, threshold, recycle_bytes=recycle_bytes)
-        stack.callback(transport.close)
-
         executor: Executor
+        lease: Lease | None = None
         if pool is None:
             use_warm = config.warm_pool() if warm is None else warm
             make = warm_pool if use_warm else private_pool
-            # Entered last, so left first: no pool process can touch the
-            # directory any more when transport.close() removes it.
-            executor = stack.enter_context(make(num_workers, initializer))
-        elif isinstance(pool, multiprocessing.pool.Pool):
-            executor = MultiprocessingPoolExecutor(pool)
+            # Entered first, so left last: the pool is stopped (killed on
+            # failure) before its directory is removed or kept.
+            lease = stack.enter_context(make(num_workers, initializer))
+            executor = lease.executor
+            directory = lease.directory.path
         else:
-            executor = pool
+            shm = ShmDirectory()
+            stack.callback(shm.close)
+            directory = shm.path
+            if isinstance(pool, multiprocessing.pool.Pool):
+                executor = MultiprocessingPoolExecutor(pool)
+            else:
+                executor = pool
+        transport = Transport(directory, threshold, recycle_bytes=recycle_bytes)
+        stack.push(partial(_end_transport, transport, lease))
+        if lease is not None:
+            transport.seed(lease.files)
         submit = _TrackedSubmit(executor.submit)
         if pool is not None:
             # Not ours to stop: on failure, wait for what is still running.

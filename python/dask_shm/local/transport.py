@@ -19,7 +19,10 @@ Lifetime (decided in the parent, the only process that frees files): a file
 lives while the parent holds a live mapping of it or a task message naming it
 is in flight (until its reply is loaded). Pool processes only reuse files of
 the task they are running, which are pinned until the parent has read their
-reply. Whatever is left is removed with the directory by :meth:`Transport.close`.
+reply. Whatever is left is removed with the directory by :meth:`Transport.close`,
+or, after a computation on the warm pool, by :meth:`Transport.park`, which
+keeps the files ready for reuse for the next computation in the same
+directory (:meth:`Transport.seed`).
 
 Recycling (``recycle_bytes`` > 0): on a tmpfs, writing a result into a new
 file costs mostly the kernel allocating its pages, and deleting it freeing
@@ -457,6 +460,10 @@ class Transport:
                 refs = []
                 stored = None
             if stored is not None:
+                if not ep.is_owner:
+                    # The parent owns the file from now on; a warm pool
+                    # process's ledger would otherwise grow with every result.
+                    ep.store.forget(stored[0])
                 for k, (i, raw) in enumerate(fresh):
                     refs[i] = (stored[0], k, 0, raw.nbytes)
         final = tuple(refs)
@@ -498,10 +505,52 @@ class Transport:
                     names = ep.inflight.pop(reply_to, ())
                 ep._release(names)
 
-    def close(self) -> None:
-        """Delete the directory and everything in it; forget all state. Parent only."""
+    def seed(self, files: dict[str, int]) -> None:
+        """(parent, before the first task) Take files that :meth:`park` kept
+        from the previous computation in this directory as ready to give
+        (``name -> size``); what exceeds ``recycle_bytes`` is deleted."""
+        ep = self._ep
+        for name, size in files.items():
+            with ep.lock:
+                kept = ep._keep_free(name, size)
+            if not kept:
+                ep._delete(name)
+
+    def park(self) -> dict[str, int]:
+        """(parent, after a computation that succeeded, with no task running)
+        Forget all state and delete every file of the directory but the ones
+        ready to give (returned, ``name -> size``, for :meth:`seed`) and the
+        hidden ones: the directory's lock and the pool processes' own reuse
+        files (``.pool-*``, theirs to overwrite). Nobody maps what is kept: files still mapped (by
+        results, or by objects a task left in a pool process) are deleted
+        like the rest, and their mappings keep their pages until they go."""
+        with _endpoints_lock:
+            ep = _endpoints.pop(self.directory, None)
+        kept: dict[str, int] = {}
+        if ep is not None:
+            with ep.lock:
+                kept = dict(ep.free)
+            ep.close()
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:
+            return {}
+        for entry in entries:
+            if entry.name in kept or entry.name.startswith("."):
+                continue  # the lock, and the pool processes' hidden reuse files
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+        return kept
+
+    def close(self, remove: bool = True) -> None:
+        """Forget all state and (unless ``remove`` is false, when the owner of
+        the directory removes it later) delete the directory and everything
+        in it. Parent only."""
         with _endpoints_lock:
             ep = _endpoints.pop(self.directory, None)
         if ep is not None:
             ep.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if remove:
+            shutil.rmtree(self.directory, ignore_errors=True)
