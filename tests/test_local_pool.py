@@ -156,6 +156,8 @@ def test_a_config_change_closes_the_pool_and_starts_another(shm_base: Path) -> N
 def test_a_pool_process_killed_between_computations_is_replaced(shm_base: Path) -> None:
     pids_used(4)
     pool = set(warm_pool_pids())
+    kept = set(shm_base.iterdir())
+    assert len(kept) == 1  # the directory kept for the next computation
     victim, survivor = sorted(pool)
     os.kill(victim, signal.SIGKILL)
     wait_gone({victim})
@@ -164,6 +166,7 @@ def test_a_pool_process_killed_between_computations_is_replaced(shm_base: Path) 
     fresh = set(warm_pool_pids())
     assert len(fresh) == 2 and not fresh & pool
     wait_gone({survivor})  # the broken pool's other process was stopped
+    assert not kept & set(shm_base.iterdir())  # its files went with it
 
 
 def test_a_pool_process_killed_during_a_computation_breaks_only_that_one(
@@ -313,6 +316,28 @@ def test_kept_files_follow_the_configured_directory(shm_base: Path, tmp_path: Pa
         shutil.rmtree(other, ignore_errors=True)
 
 
+def test_releasing_files_while_computations_run(shm_base: Path) -> None:
+    """release_idle_files() called over and over from another thread never
+    touches the directory of a running computation."""
+    stop = threading.Event()
+
+    def release_often() -> None:
+        while not stop.is_set():
+            release_idle_files()
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=release_often)
+    thread.start()
+    try:
+        for seed in range(15):
+            expected = total(big_array(seed), big_array(seed + 1))
+            dsk = {"a": (big_array, seed), "b": (big_array, seed + 1), "t": (total, "a", "b")}
+            assert get(dsk, "t", num_workers=2) == expected
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_bad_idle_file_timeout_is_named(shm_base: Path) -> None:
     with dask.config.set({"shm.local.idle-file-timeout": "soon"}):
         with pytest.raises(ValueError, match=r"shm\.local\.idle-file-timeout must be a duration"):
@@ -355,21 +380,34 @@ def test_the_warm_pool_is_shut_down_at_exit(tmp_path: Path) -> None:
     script.write_text(
         textwrap.dedent(
             """
-            import os
+            import os, sys
+            import dask
+            import numpy as np
             from dask_shm.local import get
             from dask_shm.local.pool import warm_pool_pids
 
             if __name__ == "__main__":
-                get({"x": (os.getpid,)}, "x", num_workers=2)
+                dask.config.set({"shm.local.shm-directory": sys.argv[1]})
+                dsk = {"x": (np.ones, 10**6), "y": (np.sum, "x")}
+                assert get(dsk, "y", num_workers=2) == 10**6
+                assert os.listdir(sys.argv[1]), "a directory is kept for the next computation"
                 print(*warm_pool_pids(), flush=True)
             """
         )
     )
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    pids = {int(p) for p in out.stdout.split()}
-    assert len(pids) >= 1
-    wait_gone(pids)
+    base = Path("/dev/shm") / f"dask-shm-exit-test-{os.getpid()}"
+    base.mkdir(mode=0o700)
+    try:
+        out = subprocess.run(
+            [sys.executable, str(script), str(base)], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        pids = {int(p) for p in out.stdout.split()}
+        assert len(pids) >= 1
+        wait_gone(pids)
+        assert list(base.iterdir()) == []  # the kept directory went at exit
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def thread_variables(x: object) -> list[str | None]:

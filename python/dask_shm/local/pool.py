@@ -263,7 +263,12 @@ class _WarmPool:
                     if pool is not None:
                         self._give_back(pool, key, None, timeout)
                     raise
-            pool = pool or new_pool(num_workers, initializer)
+            if pool is None:
+                try:
+                    pool = new_pool(num_workers, initializer)
+                except BaseException:
+                    parked[0].close()
+                    raise
             lease = Lease(pool, parked[0], parked[1], can_keep=timeout > 0)
             try:
                 yield lease
