@@ -275,6 +275,27 @@ def test_all_to_all_matmul(benchmark: Any, impl: str, request: pytest.FixtureReq
     _check("all_to_all", all_to_all, result)
 
 
+def test_all_to_all_matmul_compute_floor(benchmark: Any) -> None:
+    """The matmul graph on the synchronous scheduler, in this process, with
+    one BLAS thread: the work itself with no transport and no parallelism.
+    Half of it is the least two processes could take; a scheduler cannot be
+    more than stock's time over that faster than stock."""
+    threadpoolctl = pytest.importorskip(
+        "threadpoolctl", reason="pip install threadpoolctl: no compute-floor row"
+    )
+    benchmark.group = "(y @ y.T).sum(0): compute floor (sync, 1 BLAS thread)"
+
+    def once() -> Any:
+        with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+            return dask.compute(all_to_all(), scheduler="sync")[0]
+
+    result = benchmark.pedantic(once, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    _check("all_to_all", all_to_all, result)
+    best = benchmark.stats.stats.min
+    BEST.setdefault(benchmark.group, {})["sync"] = best
+    BEST[benchmark.group]["sync / 2"] = best / 2
+
+
 @pytest.mark.parametrize("impl", ["stock", "ours", "ray", "threads"])
 def test_numpy_heavy(benchmark: Any, impl: str, request: pytest.FixtureRequest) -> None:
     scheduler = scheduler_for("processes" if impl == "stock" else impl, request)
