@@ -338,6 +338,44 @@ def test_releasing_files_while_computations_run(shm_base: Path) -> None:
         thread.join()
 
 
+@pytest.mark.parametrize("tamper", ["delete", "symlink", "hard link", "truncate"])
+def test_kept_files_tampered_with_between_computations(
+    shm_base: Path, shm_dir: str, tmp_path: Path, tamper: str
+) -> None:
+    """Whatever happens to the kept files while the pool idles, the next
+    computations are right and write nothing through them to elsewhere: a
+    symlink's target and a file with another name stay as they were."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 1000)
+    matmul_sum(0)
+    kept = [p for p in files_under(shm_base) if p.name != ".lock"]
+    assert kept
+    linked: dict[Path, bytes] = {}
+    for i, path in enumerate(kept):
+        if tamper == "delete":
+            path.unlink()
+        elif tamper == "symlink":
+            path.unlink()
+            path.symlink_to(victim)
+        elif tamper == "hard link":
+            other = Path(shm_dir) / f"other-name-{i}"
+            os.link(path, other)
+            linked[other] = other.read_bytes()
+        else:
+            os.truncate(path, 100)
+    for seed in (1, 2):
+        np.testing.assert_allclose(matmul_sum(seed), matmul_sum_sync(seed))
+    assert victim.read_bytes() == b"precious" * 1000
+    for other, content in linked.items():
+        assert other.read_bytes() == content
+
+
+def matmul_sum_sync(seed: int) -> np.ndarray:
+    x = da.random.RandomState(seed).random((800, 800), chunks=(400, 400))
+    y = (x + x.T) * 2
+    return (y @ y.T).sum(axis=0).compute(scheduler="sync")
+
+
 def test_bad_idle_file_timeout_is_named(shm_base: Path) -> None:
     with dask.config.set({"shm.local.idle-file-timeout": "soon"}):
         with pytest.raises(ValueError, match=r"shm\.local\.idle-file-timeout must be a duration"):
