@@ -1,8 +1,10 @@
 """The per-computation directory of shared-memory files, and its cleanup.
 
-Each computation creates ``dask-shm-local-*`` (mode 0700) and holds an
-exclusive ``flock`` on the ``.lock`` file inside it for as long as it runs. The
-kernel drops that lock when the process dies, however it dies, so a directory
+Each computation creates ``dask-shm-local-*`` (mode 0700), or takes over the
+one the warm pool kept from the previous computation, and holds an exclusive
+``flock`` on the ``.lock`` file inside it for as long as the directory exists
+(the warm pool holds it while it keeps the directory). The kernel drops that
+lock when the process dies, however it dies, so a directory
 whose lock can be taken was left behind by a process killed before it could
 clean up (e.g. SIGKILL, OOM killer): the next computation using the same parent
 directory removes it. The lock works across PID namespaces sharing the mount.
