@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -24,6 +25,7 @@ import dask.array as da
 import numpy as np
 import psutil
 import pytest
+from tmpfs import small_tmpfs
 
 from dask_shm.local import get, release_idle_files, shutdown_pool
 from dask_shm.local.pool import warm_pool_pids
@@ -374,6 +376,27 @@ def matmul_sum_sync(seed: int) -> np.ndarray:
     x = da.random.RandomState(seed).random((800, 800), chunks=(400, 400))
     y = (x + x.T) * 2
     return (y @ y.T).sum(axis=0).compute(scheduler="sync")
+
+
+def test_a_container_sized_tmpfs_across_computations() -> None:
+    """On a 64 MiB tmpfs (a container's /dev/shm) as shm.local.shm-directory,
+    graphs with twice that in flight are right one after the other while the
+    kept files fill part of it (what does not fit goes through the pipes),
+    and releasing them leaves the tmpfs empty."""
+    with small_tmpfs("64m") as base, dask.config.set({"shm.local.shm-directory": base}):
+        try:
+            for seed in range(3):
+                x = da.random.RandomState(seed).random((4000, 4000), chunks=(1000, 1000))
+                y = ((x + x.T) * 2).sum(axis=0)  # 128 MB of data in 8 MB chunks
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # the pipe fallback
+                    (result,) = dask.compute(y, scheduler=get, num_workers=2)
+                np.testing.assert_allclose(result, y.compute(scheduler="sync"))
+                assert os.listdir(base), "files kept for the next computation"
+        finally:
+            release_idle_files()
+        assert os.listdir(base) == []
+        assert os.statvfs(base).f_bfree == os.statvfs(base).f_blocks
 
 
 def test_bad_idle_file_timeout_is_named(shm_base: Path) -> None:

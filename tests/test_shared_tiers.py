@@ -3,15 +3,11 @@ system (tier 3), under real memory cgroups and a real 64 MiB tmpfs."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 
 import dask
 import numpy as np
@@ -29,6 +25,7 @@ from dask_shm.shared import (
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from clusters import process_cluster, worker_addresses
 from memory_cgroup import memory_cgroup, run_workload, unavailable_reason  # noqa: E402
+from tmpfs import small_tmpfs
 
 MiB = 2**20
 GiB = 2**30
@@ -50,26 +47,6 @@ def make_buffer(
 @pytest.fixture
 def disk_root(tmp_path) -> str:
     return str(tmp_path / "disk")
-
-
-@contextlib.contextmanager
-def small_tmpfs(size: str = "64m") -> Iterator[str]:
-    """A real tmpfs of ``size`` mounted on a fresh directory (root only)."""
-    path = tempfile.mkdtemp(prefix="dask-shm-tmpfs-")
-    try:
-        proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", path],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
-        try:
-            yield path
-        finally:
-            subprocess.run(["umount", "-l", path], check=False)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 # --- the store's tiers, in one process -------------------------------------------

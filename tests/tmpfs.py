@@ -1,0 +1,31 @@
+"""A real, small tmpfs for tests (as a container's 64 MiB /dev/shm)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+
+@contextlib.contextmanager
+def small_tmpfs(size: str = "64m") -> Iterator[str]:
+    """A real tmpfs of ``size`` mounted on a fresh directory (root only)."""
+    path = tempfile.mkdtemp(prefix="dask-shm-tmpfs-")
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", path],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", "-l", path], check=False)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
