@@ -241,17 +241,23 @@ class _WarmPool:
             parked[0].close()
 
     @contextmanager
-    def use(self, num_workers: int, initializer: Callable[[], None] | None) -> Iterator[Lease]:
+    def use(
+        self,
+        num_workers: int,
+        initializer: Callable[[], None] | None,
+        idle_file_timeout: float,
+    ) -> Iterator[Lease]:
         """The warm pool for one computation; if it is in use by another
         computation, a private pool closed at the end. If the block raises, the
-        pool is killed and not kept, and the directory removed."""
+        pool is killed and not kept, and the directory removed. Files kept for
+        reuse stay ``idle_file_timeout`` seconds after the block (0: none)."""
         if not self.lock.acquire(blocking=False):
             with private_pool(num_workers, initializer) as lease:
                 yield lease
             return
         try:
             key = _key(num_workers, initializer)
-            timeout = config.idle_file_timeout()
+            timeout = idle_file_timeout
             pool, parked = self._take(key)
             if parked is not None and parked[0].base != config.shm_directory_base():
                 parked[0].close()  # shm.local.shm-directory changed meanwhile

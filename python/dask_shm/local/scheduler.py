@@ -197,7 +197,7 @@ def get(
     threshold = config.shm_threshold(shm_threshold)
     recycle_bytes = config.recycle_bytes()
     queued = config.queued_tasks(queued_tasks)
-    config.idle_file_timeout()  # read by the warm pool; a bad value fails here, always
+    idle_file_timeout = config.idle_file_timeout()
     target = config.memory_target(memory_target) if cache is None else None
     chunksize = chunksize or dask_config.get("chunksize", 1)
     pool = pool or dask_config.get("pool", None)
@@ -222,10 +222,13 @@ def get(
         lease: Lease | None = None
         if pool is None:
             use_warm = config.warm_pool() if warm is None else warm
-            make = warm_pool if use_warm else private_pool
             # Entered first, so left last: the pool is stopped (killed on
             # failure) before its directory is removed or kept.
-            lease = stack.enter_context(make(num_workers, initializer))
+            lease = stack.enter_context(
+                warm_pool(num_workers, initializer, idle_file_timeout)
+                if use_warm
+                else private_pool(num_workers, initializer)
+            )
             executor = lease.executor
             directory = lease.directory.path
         else:
