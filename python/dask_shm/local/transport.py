@@ -505,6 +505,18 @@ class Transport:
                     names = ep.inflight.pop(reply_to, ())
                 ep._release(names)
 
+    def _detach(self) -> dict[str, int]:
+        """Forget this process's state of the directory; return the files
+        that were ready to give (``name -> size``)."""
+        with _endpoints_lock:
+            ep = _endpoints.pop(self.directory, None)
+        if ep is None:
+            return {}
+        with ep.lock:
+            free = dict(ep.free)
+        ep.close()
+        return free
+
     def seed(self, files: dict[str, int]) -> None:
         """(parent, before the first task) Take files that :meth:`park` kept
         from the previous computation in this directory as ready to give
@@ -521,16 +533,11 @@ class Transport:
         Forget all state and delete every file of the directory but the ones
         ready to give (returned, ``name -> size``, for :meth:`seed`) and the
         hidden ones: the directory's lock and the pool processes' own reuse
-        files (``.pool-*``, theirs to overwrite). Nobody maps what is kept: files still mapped (by
-        results, or by objects a task left in a pool process) are deleted
-        like the rest, and their mappings keep their pages until they go."""
-        with _endpoints_lock:
-            ep = _endpoints.pop(self.directory, None)
-        kept: dict[str, int] = {}
-        if ep is not None:
-            with ep.lock:
-                kept = dict(ep.free)
-            ep.close()
+        files (``.pool-*``, theirs to overwrite). Nobody maps what is kept:
+        files still mapped (by results, or by objects a task left in a pool
+        process) are deleted like the rest, and their mappings keep their
+        pages until they go."""
+        kept = self._detach()
         try:
             entries = list(os.scandir(self.directory))
         except OSError:
@@ -548,9 +555,6 @@ class Transport:
         """Forget all state and (unless ``remove`` is false, when the owner of
         the directory removes it later) delete the directory and everything
         in it. Parent only."""
-        with _endpoints_lock:
-            ep = _endpoints.pop(self.directory, None)
-        if ep is not None:
-            ep.close()
+        self._detach()
         if remove:
             shutil.rmtree(self.directory, ignore_errors=True)
