@@ -240,10 +240,14 @@ def assert_nothing_mapped_or_open(base: Path) -> None:
         assert not [f for f in open_files if f.startswith(str(base))], open_files
 
 
-def matmul_sum(seed: int) -> np.ndarray:
+def matmul_sum_graph(seed: int) -> da.Array:
     x = da.random.RandomState(seed).random((800, 800), chunks=(400, 400))
     y = (x + x.T) * 2
-    (result,) = dask.compute((y @ y.T).sum(axis=0), scheduler=get, num_workers=2)
+    return (y @ y.T).sum(axis=0)
+
+
+def matmul_sum(seed: int) -> np.ndarray:
+    (result,) = dask.compute(matmul_sum_graph(seed), scheduler=get, num_workers=2)
     return result
 
 
@@ -366,16 +370,11 @@ def test_kept_files_tampered_with_between_computations(
         else:
             os.truncate(path, 100)
     for seed in (1, 2):
-        np.testing.assert_allclose(matmul_sum(seed), matmul_sum_sync(seed))
+        expected = matmul_sum_graph(seed).compute(scheduler="sync")
+        np.testing.assert_allclose(matmul_sum(seed), expected)
     assert victim.read_bytes() == b"precious" * 1000
     for other, content in linked.items():
         assert other.read_bytes() == content
-
-
-def matmul_sum_sync(seed: int) -> np.ndarray:
-    x = da.random.RandomState(seed).random((800, 800), chunks=(400, 400))
-    y = (x + x.T) * 2
-    return (y @ y.T).sum(axis=0).compute(scheduler="sync")
 
 
 def test_a_container_sized_tmpfs_across_computations() -> None:
