@@ -385,14 +385,15 @@ impl ReplicaTracker {
 fn order_as_iterated(tasks: &Bound<'_, PyAny>, chosen: &mut Vec<Prepared<'_>>) -> PyResult<()> {
     // Hashes first, and only for a set whose table can be read: `__hash__`
     // is Python code, which must not run while the table is borrowed.
-    let hashes: Option<Vec<isize>> = match SetTable::of(tasks) {
-        Some(_) => Some(
+    let hashes: Option<Vec<isize>> = if SetTable::of(tasks).is_some() {
+        Some(
             chosen
                 .iter()
                 .map(|t| t.ts.hash())
                 .collect::<PyResult<_>>()?,
-        ),
-        None => None,
+        )
+    } else {
+        None
     };
     let ranks = match (hashes, SetTable::of(tasks)) {
         (Some(hashes), Some(table)) => chosen
