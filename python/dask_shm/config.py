@@ -148,7 +148,7 @@ class SharedMemorySettings:
     #: worker's memory limit (float in (0, 1]); see shared/limits.py.
     max_bytes: int | float | None = None
     #: Directory on a real file system for tier-3 files (``dask-shm-<uid>/``
-    #: is made under it).
+    #: is made under it); null in config: :func:`default_disk_root`.
     disk_root: str = ""
 
     @classmethod

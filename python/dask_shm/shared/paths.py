@@ -17,6 +17,10 @@ exclusive ``flock`` on its directory for the directory's whole life, and the
 kernel drops it when the process dies. Pids and /proc say nothing about a
 process in another PID namespace (a container sharing the root); a lock does.
 Registry entries under ``peers/`` are locked the same way.
+
+What dead processes left is removed by :func:`reclaim` (a worker or nanny
+starting on the roots, ``dask shm clean``) and counted by :func:`reclaimable`
+(``dask shm info``); only this user's directory is looked at.
 """
 
 from __future__ import annotations
