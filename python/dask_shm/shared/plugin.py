@@ -27,7 +27,8 @@ PLUGIN_NAME = "dask-shm-shared-memory"
 class SharedMemoryPlugin(WorkerPlugin):
     """Put a worker in shared-memory mode.
 
-    On setup: removes directories left by dead processes on the root; gives
+    On setup: removes directories left by dead processes on the root and
+    the tier-3 root (before sizing the tier-2 budget from free space); gives
     the worker a :class:`~dask_shm.shared.SharedSpillBuffer` (sized from the
     worker's memory limit and config like the stock buffer; a worker whose
     config disables spilling still gets one, that never spills on its own,
@@ -170,7 +171,7 @@ class SharedMemoryNannyPlugin(NannyPlugin):
     """Nanny side of shared-memory mode: the nanny's terminate check reads the
     worker's private memory plus its 1/k share of its tmpfs files (as the
     worker's own monitor does), and directories of dead
-    worker processes are removed when the nanny starts and closes.
+    worker processes are removed from both roots when the nanny starts and closes.
 
     >>> client.register_plugin(SharedMemoryNannyPlugin())  # doctest: +SKIP
     """
