@@ -372,7 +372,8 @@ def _lock_of_dead_dir(base: str, name: str) -> int | None:
 def _freed_bytes(directories: list[str]) -> int:
     """Bytes the file system gets back when ``directories`` are removed: the
     allocated blocks of every file all of whose links are inside them (a file
-    a live peer has linked elsewhere stays)."""
+    a live peer has linked elsewhere stays; one a live process still maps
+    goes when it unmaps it)."""
     # (device, inode) -> [links, links seen here, allocated bytes]
     files: dict[tuple[int, int], list[int]] = {}
     for directory in directories:
