@@ -1,4 +1,4 @@
-"""dask-shm's commands: ``dask shm info`` and ``dask shm demo``.
+"""dask-shm's commands: ``dask shm info``, ``dask shm clean`` and ``dask shm demo``.
 
 dask's own CLI (``dask``) adds the click command or group of every
 ``dask_cli`` entry point as a subcommand, the way distributed adds ``dask
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import click
 
+from dask_shm.clean import clean
 from dask_shm.config import load_defaults
 from dask_shm.demo.command import demo
 from dask_shm.info.command import info
@@ -32,14 +33,16 @@ def shm() -> None:
 
 
 shm.add_command(info)
+shm.add_command(clean)
 shm.add_command(demo)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``dask-shm`` script: ``dask-shm info``, ``dask-shm demo``.
+    """The ``dask-shm`` script: ``dask-shm info``, ``dask-shm clean``, ``dask-shm demo``.
 
-    Returns 0 on success; a usage error exits with code 2 and a failed demo
-    (different results) with 1, through SystemExit, as click does."""
+    Returns 0 on success; a usage error exits with code 2, and a failed demo
+    (different results) or a root ``clean`` could not clean with 1, through
+    SystemExit, as click does."""
     shm.main(args=list(argv) if argv is not None else None, prog_name="dask-shm")
     return 0
 

@@ -8,6 +8,7 @@ Validation errors name the key and say what is accepted in the schema's words
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 
@@ -109,6 +110,28 @@ def spill_recycle_bytes() -> int:
     return int(value)
 
 
+def default_disk_root(temporary_directory: str) -> str:
+    """Tier 3's root when ``shm.shared-memory.disk-root`` is null, chosen the
+    way distributed chooses a server's scratch space (``WorkSpace``):
+    ``<temporary_directory>/dask-scratch-space`` if this user can make its
+    ``dask-shm-<uid>`` there (or has it already), else this user's own
+    ``dask-scratch-space-<uid>`` next to it (made 0700 when first used). So
+    every user of a host gets a tier 3, and the same one in every process."""
+    shared = os.path.join(temporary_directory, "dask-scratch-space")
+    if not hasattr(os, "geteuid"):
+        return shared  # no shared-memory mode off POSIX: any answer will do
+    uid = os.geteuid()
+    try:
+        mine = os.lstat(os.path.join(shared, f"dask-shm-{uid}"))
+        if stat.S_ISDIR(mine.st_mode) and mine.st_uid == uid:
+            return shared
+    except OSError:
+        pass
+    if not os.path.lexists(shared) or os.access(shared, os.W_OK | os.X_OK):
+        return shared
+    return f"{shared}-{uid}"
+
+
 @dataclass(frozen=True)
 class SharedMemorySettings:
     """Validated ``shm.shared-memory.*`` config."""
@@ -125,7 +148,7 @@ class SharedMemorySettings:
     #: worker's memory limit (float in (0, 1]); see shared/limits.py.
     max_bytes: int | float | None = None
     #: Directory on a real file system for tier-3 files (``dask-shm-<uid>/``
-    #: is made under it).
+    #: is made under it); null in config: :func:`default_disk_root`.
     disk_root: str = ""
 
     @classmethod
@@ -179,7 +202,7 @@ class SharedMemorySettings:
         disk_root = get("disk-root")
         if disk_root is None:
             base = dask.config.get("temporary-directory", default=None) or tempfile.gettempdir()
-            disk_root = os.path.join(base, "dask-scratch-space")
+            disk_root = default_disk_root(base)
         if not isinstance(disk_root, str) or not os.path.isabs(disk_root):
             raise invalid("shm.shared-memory.disk-root", disk_root)
         return cls(enabled, root, int(min_size), float(fraction), max_bytes, disk_root)

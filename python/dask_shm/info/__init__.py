@@ -16,7 +16,8 @@ directory under it (``dask-shm-<uid>``) is safe if it exists; the open-files
 limit and ``vm.max_map_count`` against what a worker of this host would need;
 the platform (shared memory needs Linux); the ``shm`` config validates; and,
 given a scheduler address, which workers have the shared-memory plugin
-installed.
+installed; and the bytes that dead processes' directories (left by a
+SIGKILL) hold on the shared-memory root and the disk root.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dask_shm.info.checks import Problem, find_problems
 from dask_shm.info.facts import (
     PLUGIN_NAME,
+    DeadFiles,
     HostInfo,
     OpenFilesLimit,
     WorkerInfo,
@@ -34,6 +36,7 @@ from dask_shm.info.render import format_info
 
 __all__ = [
     "PLUGIN_NAME",
+    "DeadFiles",
     "HostInfo",
     "OpenFilesLimit",
     "Problem",

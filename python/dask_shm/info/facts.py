@@ -26,7 +26,13 @@ import dask.config
 from dask_shm._core import is_ram_backed
 from dask_shm.config import DEFAULTS, SWITCHES, SharedMemorySettings, enabled, unknown_keys
 from dask_shm.shared.limits import summary
-from dask_shm.shared.paths import filesystem_of, user_dir_path, user_dir_problem
+from dask_shm.shared.paths import (
+    UnusableRoot,
+    filesystem_of,
+    reclaimable,
+    user_dir_path,
+    user_dir_problem,
+)
 from dask_shm.shared.plugin import PLUGIN_NAME
 from dask_shm.shared.store import max_map_count
 
@@ -48,6 +54,21 @@ class WorkerInfo:
     plugin_active: bool | None
     #: Class of the worker's ``data`` mapping, e.g. ``dask_shm.spill.SpillBuffer``.
     data_class: str | None
+    error: str | None = None
+
+
+class DeadFiles(NamedTuple):
+    """What dead processes (killed, so they could not clean up) left under a
+    root: ``dask shm clean`` removes it."""
+
+    #: "tier 2" (the shared-memory root) or "tier 3" (the disk root)
+    tier: str
+    root: str
+    #: Directories of dead processes and the bytes removing them gives back
+    #: (0 and 0 when the root or this user's directory there does not exist).
+    directories: int
+    bytes: int
+    #: Why the root could not be examined (then the counts are 0), or None.
     error: str | None = None
 
 
@@ -97,6 +118,8 @@ class HostInfo:
     #: (None outside one), the memory this process may use and the tier-2
     #: budget a worker without a memory limit would get (None if unknown).
     limits: dict[str, Any] | None = None
+    #: Dead processes' files on the shared-memory root and on the disk root.
+    dead_files: list[DeadFiles] = field(default_factory=list)
     scheduler_address: str | None = None
     scheduler_error: str | None = None
     workers: list[WorkerInfo] = field(default_factory=list)
@@ -177,6 +200,15 @@ def _config_errors() -> tuple[SharedMemorySettings | None, list[str]]:
         except ValueError as e:
             errors.append(str(e))
     return settings, errors
+
+
+def dead_files(tier: str, root: str) -> DeadFiles:
+    """:class:`DeadFiles` of this user's directory under ``root``; never raises."""
+    try:
+        found = reclaimable(root)
+    except (OSError, UnusableRoot) as e:
+        return DeadFiles(tier, root, 0, 0, str(e))
+    return DeadFiles(tier, root, len(found.directories), found.bytes)
 
 
 def _worker_report(dask_worker: Any) -> dict[str, Any]:
@@ -291,6 +323,12 @@ def gather_facts(
             info.limits = summary(root, settings.max_bytes if settings else None)
         except OSError:
             info.limits = None
+    disk_root = settings.disk_root if settings is not None else None
+    info.dead_files = [
+        dead_files(tier, where)
+        for tier, where in (("tier 2", root), ("tier 3", disk_root))
+        if where is not None and hasattr(os, "geteuid")
+    ]
     if scheduler_address is not None:
         info.scheduler_error, info.workers = ask_workers(scheduler_address, timeout)
     return info

@@ -73,6 +73,21 @@ def format_info(info: HostInfo) -> str:
         rows.append(("user directory", f"{info.user_dir}: {state}"))
     section("Shared-memory root", rows)
 
+    if info.dead_files:
+        rows = []
+        for dead in info.dead_files:
+            if dead.error is not None:
+                state = f"cannot tell ({dead.error})"
+            elif dead.directories:
+                state = (
+                    f"{format_bytes(dead.bytes)} reclaimable in {dead.directories} "
+                    "directories (`dask shm clean` removes them)"
+                )
+            else:
+                state = "0 B reclaimable"
+            rows.append((f"{dead.tier} {dead.root}", state))
+        section("Dead processes' files", rows)
+
     if info.open_files is None:
         nofile = "unknown"
     else:

@@ -17,6 +17,10 @@ exclusive ``flock`` on its directory for the directory's whole life, and the
 kernel drops it when the process dies. Pids and /proc say nothing about a
 process in another PID namespace (a container sharing the root); a lock does.
 Registry entries under ``peers/`` are locked the same way.
+
+What dead processes left is removed by :func:`reclaim` (a worker or nanny
+starting on the roots, ``dask shm clean``) and counted by :func:`reclaimable`
+(``dask shm info``); only this user's directory is looked at.
 """
 
 from __future__ import annotations
@@ -165,8 +169,22 @@ class ProcessIdentity:
         return cls(int(parts[1]), int(parts[2]))
 
 
+def _makedirs_private(path: str) -> None:
+    """``os.makedirs`` with every directory it creates mode 0700, the missing
+    parents too (``os.makedirs`` gives those the umask's mode)."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path:
+        _makedirs_private(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+
+
 def _make_private_dir(path: str) -> str:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    _makedirs_private(path)
     st = os.lstat(path)
     if st.st_uid != os.geteuid() or not os.path.isdir(path) or os.path.islink(path):
         raise UnusableRoot(f"{path} exists and is not a directory owned by this user")
@@ -329,54 +347,138 @@ def _remove_own_dirs() -> None:
             del _held[base]
 
 
-def _sweep_entry(base: str, name: str) -> bool:
-    """Remove the process directory ``base/name`` if its lock is free."""
+def _lock_of_dead_dir(base: str, name: str) -> int | None:
+    """A descriptor of the process directory ``base/name`` holding its lock,
+    if its process is gone; None if it is alive, still being set up
+    (``.new-``, within :data:`NEW_DIR_GRACE_SECONDS`) or vanished. Closing the
+    descriptor drops the lock."""
     path = os.path.join(base, name)
     try:
         fd = os.open(path, _DIR_FLAGS)
     except OSError:
-        return False
+        return None
     try:
-        if not _lock_is_free(fd):
-            return False
-        st = os.fstat(fd)
-        if name.startswith(".new-") and time.time() - st.st_mtime < NEW_DIR_GRACE_SECONDS:
-            return False  # between mkdir and flock of a starting process
+        if _lock_is_free(fd):
+            st = os.fstat(fd)
+            fresh = name.startswith(".new-") and time.time() - st.st_mtime < NEW_DIR_GRACE_SECONDS
+            if not fresh and os.lstat(path).st_ino == st.st_ino:
+                return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _freed_bytes(directories: list[str]) -> int:
+    """Bytes the file system gets back when ``directories`` are removed: the
+    allocated blocks of every file all of whose links are inside them (a file
+    a live peer has linked elsewhere stays; one a live process still maps
+    goes when it unmaps it)."""
+    # (device, inode) -> [links, links seen here, allocated bytes]
+    files: dict[tuple[int, int], list[int]] = {}
+    for directory in directories:
+        for dirpath, _, filenames in os.walk(directory):
+            for filename in filenames:
+                try:
+                    st = os.lstat(os.path.join(dirpath, filename))
+                except OSError:
+                    continue
+                entry = files.setdefault(
+                    (st.st_dev, st.st_ino), [st.st_nlink, 0, st.st_blocks * 512]
+                )
+                entry[1] += 1
+    return sum(size for links, seen, size in files.values() if seen >= links)
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """Directories of dead processes under one root, and the bytes removing
+    them gives back (see :func:`_freed_bytes`)."""
+
+    directories: list[str]
+    bytes: int
+
+
+def _reclaim(base: str, *, remove: bool) -> Reclaim:
+    """Find (and with ``remove``, remove) the directories of dead processes in
+    the user directory ``base``, never this process's own. Their locks are
+    held from the check to the end, so no process sweeping at the same time
+    counts or removes them twice."""
+    held: list[tuple[str, int]] = []
+    with _held_lock:
+        own = _current(base)
         try:
-            if os.lstat(path).st_ino != st.st_ino:
-                return False
-        except OSError:
-            return False
-        shutil.rmtree(path, ignore_errors=True)
-        return True
-    finally:
-        os.close(fd)
+            try:
+                names = sorted(os.listdir(base))
+            except FileNotFoundError:
+                names = []
+            for name in names:
+                if not name.startswith(("p-", ".new-p-")):
+                    continue
+                path = os.path.join(base, name)
+                if own is not None and path == own.path:
+                    continue
+                fd = _lock_of_dead_dir(base, name)
+                if fd is not None:
+                    held.append((path, fd))
+            directories = [path for path, _ in held]
+            freed = _freed_bytes(directories)
+            if remove:
+                for path in directories:
+                    shutil.rmtree(path, ignore_errors=True)
+        finally:
+            for _, fd in held:
+                os.close(fd)
+    return Reclaim(directories, freed)
+
+
+def _usable_user_dir_path(root: str) -> str:
+    """:func:`user_dir_path`, after checking that it is not another user's,
+    a symbolic link or a file (raises :class:`UnusableRoot`)."""
+    base = user_dir_path(root)
+    problem = user_dir_problem(base)
+    if problem:
+        raise UnusableRoot(f"{base} {problem}")
+    return base
+
+
+def reclaimable(root: str) -> Reclaim:
+    """The directories of dead processes under ``root`` (this user's) and the
+    bytes removing them would give back; nothing is changed or created.
+    Raises :class:`UnusableRoot` if this user's directory there is not a
+    directory of this user's."""
+    base = _usable_user_dir_path(root)
+    return _reclaim(base, remove=False)
+
+
+def reclaim(root: str, *, peers: bool = True) -> Reclaim:
+    """Remove the directories of processes that are gone (a process killed
+    with SIGKILL cannot clean up after itself), and (``peers``) the
+    peer-registry entries of workers that are gone. The same rule holds for
+    the tier-3 root on disk (reclaimed with ``peers=False``: it has no registry).
+    A directory is gone when nobody holds its flock: the kernel drops the
+    lock when its process dies, in whatever PID namespace or container; a
+    live process's directory is never touched. Returns what was removed and
+    the bytes that gave back. Files still mapped or linked elsewhere live on
+    until their last user goes (Unix semantics). Creates nothing. Raises
+    :class:`UnusableRoot` if this user's directory under ``root`` is not a
+    directory of this user's, OSError if it cannot be read."""
+    from dask_shm.shared.registry import sweep_peers
+
+    base = _usable_user_dir_path(root)
+    done = _reclaim(base, remove=True)
+    if done.directories:
+        logger.info(
+            "dask-shm: removed %d directories of dead processes under %s (%d MiB)",
+            len(done.directories),
+            root,
+            done.bytes >> 20,
+        )
+    if peers and os.path.isdir(os.path.join(base, "peers")):
+        sweep_peers(root)
+    return done
 
 
 def sweep_dead_processes(root: str, *, peers: bool = True) -> list[str]:
-    """Remove the directories of processes that are gone (a worker killed
-    with SIGKILL cannot clean up after itself), and (``peers``) the
-    peer-registry entries of workers that are gone. The same rule holds for
-    the tier-3 root on disk (swept with ``peers=False``: it has no registry).
-    A directory is gone when nobody holds its flock: the kernel drops the
-    lock when its process dies, in whatever PID namespace or container.
-    Returns the directories removed. Files still mapped or linked elsewhere
-    live on until their last user goes (Unix semantics)."""
-    from dask_shm.shared.registry import sweep_peers
-
-    removed = []
-    base = user_root(root)
-    with _held_lock:
-        own = _current(base)
-        for name in os.listdir(base):
-            if not name.startswith(("p-", ".new-p-")):
-                continue
-            if own is not None and os.path.join(base, name) == own.path:
-                continue
-            if _sweep_entry(base, name):
-                removed.append(os.path.join(base, name))
-    if removed:
-        logger.info("dask-shm: removed %d directories of dead processes", len(removed))
-    if peers:
-        sweep_peers(root)
-    return removed
+    """:func:`reclaim`, returning the directories removed."""
+    return reclaim(root, peers=peers).directories

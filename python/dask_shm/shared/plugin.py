@@ -27,7 +27,8 @@ PLUGIN_NAME = "dask-shm-shared-memory"
 class SharedMemoryPlugin(WorkerPlugin):
     """Put a worker in shared-memory mode.
 
-    On setup: removes directories left by dead processes on the root; gives
+    On setup: removes directories left by dead processes on the root and
+    the tier-3 root (before sizing the tier-2 budget from free space); gives
     the worker a :class:`~dask_shm.shared.SharedSpillBuffer` (sized from the
     worker's memory limit and config like the stock buffer; a worker whose
     config disables spilling still gets one, that never spills on its own,
@@ -61,6 +62,9 @@ class SharedMemoryPlugin(WorkerPlugin):
         settings = SharedMemorySettings.from_config()
         born_settings = born_worker.BornSettings.from_config()
         root = self.root or settings.root
+        # Before the budget, which is capped by the root's free space: what
+        # dead processes left there is not taken.
+        reclaim_dead_processes(root, settings.disk_root)
         memory_limit = worker.memory_manager.memory_limit
         budget = limits.tier2_budget(
             settings.max_bytes,
@@ -91,11 +95,6 @@ class SharedMemoryPlugin(WorkerPlugin):
             SpillBufferPlugin().setup(worker)
             return
         _warn_small_root(root, budget)
-        paths.sweep_dead_processes(root)
-        try:
-            paths.sweep_dead_processes(settings.disk_root, peers=False)
-        except (OSError, paths.UnusableRoot) as e:
-            logger.info("dask-shm: cannot sweep %s: %s", settings.disk_root, e)
         install_spill_buffer(worker, buffer)
         self._buffer = buffer
         self._original_gather_dep = _receive_fetches_into(worker, buffer)
@@ -172,7 +171,7 @@ class SharedMemoryNannyPlugin(NannyPlugin):
     """Nanny side of shared-memory mode: the nanny's terminate check reads the
     worker's private memory plus its 1/k share of its tmpfs files (as the
     worker's own monitor does), and directories of dead
-    worker processes are removed when the nanny starts and closes.
+    worker processes are removed from both roots when the nanny starts and closes.
 
     >>> client.register_plugin(SharedMemoryNannyPlugin())  # doctest: +SKIP
     """
@@ -191,22 +190,29 @@ class SharedMemoryNannyPlugin(NannyPlugin):
             return None
         return root
 
-    def _sweep(self, root: str) -> None:
-        """Remove dead processes' directories on the root and on the tier-3 root."""
-        paths.sweep_dead_processes(root)
-        disk_root = SharedMemorySettings.from_config().disk_root
-        try:
-            paths.sweep_dead_processes(disk_root, peers=False)
-        except (OSError, paths.UnusableRoot) as e:
-            logger.info("dask-shm: cannot sweep %s: %s", disk_root, e)
+    def _sweep(self, root: str | None) -> None:
+        reclaim_dead_processes(root, SharedMemorySettings.from_config().disk_root)
 
     def setup(self, nanny: Nanny) -> None:
         root = self._root()
+        self._sweep(root)
         monitor.install_nanny_monitor(nanny, root)
-        if root is not None:
-            self._sweep(root)
 
     def teardown(self, nanny: Nanny) -> Any:
-        root = self._root()
-        if root is not None:
-            self._sweep(root)
+        self._sweep(self._root())
+
+
+def reclaim_dead_processes(root: str | None, disk_root: str) -> int:
+    """Remove the directories of dead processes on the shared-memory root
+    (unless None: unusable) and on the tier-3 root, as a worker or nanny
+    starting there does; returns the bytes given back. A root that cannot be
+    swept is logged, not raised: it does not stop a server from starting."""
+    freed = 0
+    for where, peers in ((root, True), (disk_root, False)):
+        if where is None:
+            continue
+        try:
+            freed += paths.reclaim(where, peers=peers).bytes
+        except (OSError, paths.UnusableRoot) as e:
+            logger.info("dask-shm: cannot remove dead processes' files under %s: %s", where, e)
+    return freed

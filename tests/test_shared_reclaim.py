@@ -1,0 +1,357 @@
+"""Dead processes' files and users' roots, on real processes, tmpfs and disk.
+
+- a whole LocalCluster killed with SIGKILL: the next one on the same roots
+  removes what it left on both tiers as it starts;
+- ``dask shm clean`` and ``dask shm info`` on a dead and a live process;
+- a second user of the host gets shared mode with default config, in
+  directories of its own, and leaves the first user's alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from clusters import process_cluster, worker_addresses
+from dask.utils import format_bytes
+from tmpfs import small_tmpfs
+
+from dask_shm.shared import shm_metrics
+
+MB = 2**20
+HERE = Path(__file__).parent
+UID = os.geteuid()
+
+
+def allocated(path: str | Path) -> int:
+    """Bytes allocated to the files under ``path`` (each inode once)."""
+    inodes = {}
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            inodes[st.st_ino] = st.st_blocks * 512
+    return sum(inodes.values())
+
+
+def shared_config(root: str, disk_root: str | None, max_bytes: str = "auto") -> dict:
+    return {
+        "distributed.worker.preload": ["dask_shm"],
+        "distributed.nanny.preload": ["dask_shm"],
+        "shm.shared-memory.enabled": True,
+        "shm.shared-memory.root": root,
+        "shm.shared-memory.disk-root": disk_root,
+        "shm.shared-memory.max-bytes": max_bytes,
+    }
+
+
+@pytest.fixture
+def disk_root() -> Iterator[str]:
+    """A fresh directory on disk for tier 3."""
+    path = tempfile.mkdtemp(prefix="dask-shm-test-disk-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def dead(pid: int, timeout: float = 30) -> bool:
+    """Whether ``pid`` exits (or is a zombie, whose files the kernel closed)
+    within ``timeout`` seconds."""
+    try:
+        psutil.Process(pid).wait(timeout)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    return True
+
+
+def start_killable_cluster(root: str, disk_root: str) -> tuple[subprocess.Popen, list[dict]]:
+    """``killed_cluster.py`` in a process group of its own, once its data is in place."""
+    options = {"root": root, "disk_root": disk_root, "max_bytes": "64 MiB", "arrays": 10}
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "killed_cluster.py"), json.dumps(options)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=60)
+        pytest.fail(f"the cluster to kill did not start (exit code {proc.returncode})")
+    return proc, json.loads(line)
+
+
+@pytest.mark.parametrize("preloads", [("worker", "nanny"), ("worker",)], ids="+".join)
+def test_a_cluster_killed_with_sigkill_is_reclaimed_when_the_next_one_starts(disk_root, preloads):
+    with small_tmpfs("256m") as root:
+        proc, workers = start_killable_cluster(root, disk_root)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # the whole group is gone, workers included
+        assert all(dead(w["pid"]) for w in workers)
+        old = [w[tier] for w in workers for tier in ("tier2", "tier3")]
+        assert all(os.path.isdir(d) for d in old)
+        # 160 MiB of arrays: what the workers' 64 MiB budgets do not keep is on disk
+        assert allocated(root) >= 64 * MB
+        assert allocated(disk_root) >= 32 * MB
+
+        config = shared_config(root, disk_root, max_bytes="220 MiB")
+        if "nanny" not in preloads:  # the workers sweep on their own
+            config["distributed.nanny.preload"] = []
+        with process_cluster(2, "2 GiB", config=config) as client:
+            assert set(
+                client.run(lambda dask_worker: type(dask_worker.data).__name__).values()
+            ) == {"SharedSpillBuffer"}
+            # gone within one start, on both tiers, before any work
+            assert [d for d in old if os.path.exists(d)] == []
+            assert allocated(root) < MB
+            assert allocated(disk_root) < MB
+            # and swept before the tier-2 budget was sized from the free space
+            # (64 MiB of dead files would have capped it at 0.9 x 192 MiB)
+            budgets = {m["tier2_budget"] for m in client.run(shm_metrics).values()}
+            assert budgets == {220 * MB}
+
+
+def make_process_dir(root: str, disk_root: str, sizes: tuple[int, int]) -> subprocess.Popen:
+    """A process that makes its directories on both roots, writes a file of
+    ``sizes[i]`` bytes in each, prints their paths and waits."""
+    code = textwrap.dedent(
+        f"""
+        import json, os, sys
+        from dask_shm.shared import paths
+        files = []
+        for root, size in zip({[root, disk_root]!r}, {list(sizes)!r}):
+            path = os.path.join(paths.subdir(root, "w-test"), "value")
+            with open(path, "wb") as f:
+                f.write(b"x" * size)
+            files.append(path)
+        print(json.dumps(files), flush=True)
+        sys.stdin.read()
+        """
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def dask_shm(*args: str, env: dict) -> subprocess.CompletedProcess:
+    """``python -m dask_shm ARGS``, its output with runs of spaces made one
+    (``info`` aligns its columns)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "dask_shm", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    result.stdout = re.sub(" +", " ", result.stdout)
+    return result
+
+
+def test_clean_removes_a_dead_process_directory_and_leaves_a_live_one(shm_dir, disk_root):
+    env = {**os.environ, "DASK_SHM__SHARED_MEMORY__DISK_ROOT": disk_root}
+    dead = make_process_dir(shm_dir, disk_root, (3 * MB, 2 * MB))
+    live = make_process_dir(shm_dir, disk_root, (MB, MB))
+    try:
+        dead_files = json.loads(dead.stdout.readline())
+        live_files = json.loads(live.stdout.readline())
+        # a file of the dead process that a live one has linked stays: not reclaimable
+        shared = os.path.join(os.path.dirname(dead_files[0]), "linked")
+        with open(shared, "wb") as f:
+            f.write(b"y" * MB)
+        os.link(shared, os.path.join(os.path.dirname(live_files[0]), "linked"))
+        dead.kill()
+        dead.wait(timeout=30)
+        tier2, tier3 = (os.stat(f).st_blocks * 512 for f in dead_files)
+        assert tier2 == 3 * MB
+
+        before = dask_shm("info", "--root", shm_dir, env=env)
+        assert before.returncode == 0, before.stderr
+        assert f"tier 2 {shm_dir}: 3.00 MiB reclaimable in 1 directories" in before.stdout
+        assert f"tier 3 {disk_root}: {format_bytes(tier3)} reclaimable in 1 directories" in (
+            before.stdout
+        )
+
+        cleaned = dask_shm("clean", "--root", shm_dir, "--root", disk_root, env=env)
+        assert cleaned.returncode == 0, cleaned.stderr
+        for f in dead_files:
+            assert f"removed {os.path.dirname(os.path.dirname(f))}" in cleaned.stdout
+            assert not os.path.exists(f)
+        assert f"{shm_dir}: 1 directories of dead processes removed, 3.00 MiB freed" in (
+            cleaned.stdout
+        )
+        assert f"freed {format_bytes(tier2 + tier3)} in total" in cleaned.stdout
+        for f in live_files:
+            assert os.path.getsize(f) == MB
+        linked = os.path.join(os.path.dirname(live_files[0]), "linked")
+        assert os.path.getsize(linked) == MB and os.stat(linked).st_nlink == 1
+
+        after = dask_shm("info", "--root", shm_dir, env=env)
+        assert f"tier 2 {shm_dir}: 0 B reclaimable" in after.stdout
+        assert f"tier 3 {disk_root}: 0 B reclaimable" in after.stdout
+        again = dask_shm("clean", "--root", shm_dir, env=env)
+        assert again.returncode == 0 and "freed 0 B in total" in again.stdout
+    finally:
+        for proc in (dead, live):
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_clean_fails_on_a_root_it_cannot_clean(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    result = dask_shm("clean", "--root", str(not_a_dir), env=dict(os.environ))
+    assert result.returncode == 1
+    assert f"{not_a_dir}: cannot clean: not a directory" in result.stderr
+    mine = tmp_path / "root"
+    (mine / f"dask-shm-{UID}").mkdir(parents=True)
+    os.chown(mine / f"dask-shm-{UID}", UID + 1, -1)  # another user's
+    result = dask_shm("clean", "--root", str(mine), env=dict(os.environ))
+    assert result.returncode == 1
+    assert f"belongs to uid {UID + 1}" in result.stderr
+    assert (mine / f"dask-shm-{UID}").is_dir()
+
+
+NOBODY = 65534
+
+SECOND_USER = """
+import json, os, sys
+import dask, numpy as np
+from distributed import Client, LocalCluster
+from dask_shm.shared import shm_metrics
+
+if __name__ == "__main__":
+    config = {
+        "distributed.worker.preload": ["dask_shm"],
+        "distributed.nanny.preload": ["dask_shm"],
+        "shm.shared-memory.enabled": True,
+    }
+    with dask.config.set(config), LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+    ) as cluster, Client(cluster) as client:
+        a, b = sorted(client.scheduler_info()["workers"])
+        x = client.submit(np.full, 2**20, 2.0, workers=[a])
+        total = client.submit(np.sum, x, workers=[b]).result()
+
+        def where(dask_worker):
+            store = dask_worker.data.store
+            kind = type(dask_worker.data).__name__
+            return [kind, str(store.directory), str(store.tiers.disk.directory)]
+
+        print(json.dumps({
+            "uid": os.geteuid(),
+            "total": float(total),
+            "workers": list(client.run(where).values()),
+            "links": sum(m["link_transfers"] for m in client.run(shm_metrics).values()),
+        }), flush=True)
+"""
+
+
+def as_nobody(code: str, temporary_directory: str) -> subprocess.CompletedProcess:
+    """Run ``code`` as uid/gid 65534 (nobody). It keeps CAP_DAC_READ_SEARCH,
+    only so that it can read this interpreter under /root; writing still
+    needs permission."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to run a process as another user")
+    env = {
+        **os.environ,
+        "HOME": temporary_directory,
+        "DASK_TEMPORARY_DIRECTORY": temporary_directory,
+    }
+    return subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            "--inh-caps=+dac_read_search",
+            "--ambient-caps=+dac_read_search",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=temporary_directory,
+        timeout=300,
+    )
+
+
+def mode_and_owner(path: str) -> tuple[int, int]:
+    st = os.lstat(path)
+    return stat.S_IMODE(st.st_mode), st.st_uid
+
+
+def test_a_second_user_gets_shared_mode_with_default_config_in_directories_of_its_own():
+    if UID != 0:
+        pytest.skip("needs root to run a process as another user")
+    # A temporary directory like /tmp (sticky, everyone's), so that the
+    # default tier-3 root of both users is decided in it as in /tmp.
+    tmp = tempfile.mkdtemp(prefix="dask-shm-test-tmp-")
+    os.chmod(tmp, 0o1777)
+    shm_before = os.path.lexists(f"/dev/shm/dask-shm-{NOBODY}")
+    try:
+        config = {
+            "temporary-directory": tmp,
+            **shared_config("/dev/shm", None),
+        }
+        with process_cluster(2, "2 GiB", config=config) as client:
+            a, b = worker_addresses(client)
+            x = client.submit(np.full, 2**20, 1.0, workers=[a], key="first-user")
+            assert client.submit(np.sum, x, workers=[b]).result() == 2**20
+
+            def files(dask_worker):
+                store = dask_worker.data.store
+                name = store.file_of("first-user")
+                path = None if name is None else store.files.path(name)
+                return path, (None if path is None else os.stat(path).st_ino)
+
+            mine = {w: f for w, f in client.run(files).items() if f[0] is not None}
+            assert mine, "the first user's value is in no shared file"
+            first_disk = client.run(
+                lambda dask_worker: str(dask_worker.data.store.tiers.disk.directory)
+            )
+            assert all(d.startswith(f"{tmp}/dask-scratch-space/") for d in first_disk.values())
+
+            result = as_nobody(SECOND_USER, tmp)
+            assert result.returncode == 0, result.stderr[-3000:]
+            report = json.loads(result.stdout.strip().splitlines()[-1])
+            assert report["uid"] == NOBODY and report["total"] == 2.0 * 2**20
+            assert report["links"] >= 1  # shared mode: the array went by hard link
+            for kind, tier2, tier3 in report["workers"]:
+                assert kind == "SharedSpillBuffer"
+                assert tier2.startswith(f"/dev/shm/dask-shm-{NOBODY}/")
+                # /tmp-like dask-scratch-space is the first user's: its own, as stock does
+                assert tier3.startswith(f"{tmp}/dask-scratch-space-{NOBODY}/dask-shm-{NOBODY}/")
+            for user_dir in (
+                f"/dev/shm/dask-shm-{NOBODY}",
+                f"{tmp}/dask-scratch-space-{NOBODY}/dask-shm-{NOBODY}",
+            ):
+                assert mode_and_owner(user_dir) == (0o700, NOBODY)
+            assert mode_and_owner(f"{tmp}/dask-scratch-space/dask-shm-{UID}") == (0o700, UID)
+
+            # the first user's files and cluster are as they were
+            assert {w: f for w, f in client.run(files).items() if w in mine} == mine
+            for path, inode in mine.values():
+                assert os.stat(path).st_ino == inode
+            assert client.submit(np.sum, x, workers=[a]).result() == 2**20
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not shm_before:
+            shutil.rmtree(f"/dev/shm/dask-shm-{NOBODY}", ignore_errors=True)
