@@ -8,8 +8,9 @@ peer's reply in shared-memory mode.
 - a handle that could not be resolved (it deserialized into an
   :class:`~dask_shm.shared.transfer.Unresolved` marker) is a key missing on
   that peer: distributed fetches it elsewhere or asks the scheduler, and the
-  peer is asked for bytes from now on (:meth:`PeerRegistry.refuse
-  <dask_shm.shared.registry.PeerRegistry.refuse>`), so a retry succeeds;
+  peer is asked for bytes for files of that root from now on
+  (:meth:`PeerRegistry.refuse <dask_shm.shared.registry.PeerRegistry.refuse>`),
+  so a retry succeeds;
 - a peer that cannot read a key back (its spilled file vanished or was
   tampered with: :class:`~dask_shm.shared.transfer.PeerReadError` naming
   the key) makes the tasks of this worker waiting for that key fail with
@@ -48,8 +49,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def receive_fetches_into(worker: Worker, buffer: SharedSpillBuffer, registry: PeerRegistry) -> Any:
-    """Wrap ``worker.gather_dep`` as described above; returns the original."""
+def receive_fetches_into(
+    worker: Worker, buffer: SharedSpillBuffer, registry: PeerRegistry, tokens: dict[int, str]
+) -> Any:
+    """Wrap ``worker.gather_dep`` as described above; returns the original.
+    ``tokens`` are the identity tokens of ``buffer``'s tiers (2, 3)."""
     original = worker.gather_dep
 
     async def gather_dep(peer: str, to_gather: Collection[Key], *args: Any, **kwargs: Any) -> Any:
@@ -57,15 +61,18 @@ def receive_fetches_into(worker: Worker, buffer: SharedSpillBuffer, registry: Pe
             event = await original(peer, to_gather, *args, **kwargs)
         if isinstance(event, GatherDepSuccessEvent):
             dropped = transfer.drop_unresolved(event.data)
+            for token in {tokens.get(_tier_named(buffer, u.path)) for u in dropped.values()}:
+                if token is not None:
+                    registry.refuse(worker.address, peer, token)
             if dropped:
                 logger.warning(
                     "dask-shm: %d handle(s) from %s could not be resolved (%s); "
                     "fetching them again as bytes",
                     len(dropped),
                     peer,
-                    ", ".join(map(repr, dropped[:3])),
+                    ", ".join(map(repr, list(dropped)[:3])),
                 )
-                registry.refuse(worker.address, peer)
+                buffer.shm_counters["unresolved_handles"] += len(dropped)
         elif isinstance(event, GatherDepFailureEvent):
             exc = _exception_of(event)
             if isinstance(exc, transfer.PeerReadError):
@@ -74,6 +81,12 @@ def receive_fetches_into(worker: Worker, buffer: SharedSpillBuffer, registry: Pe
 
     worker.gather_dep = gather_dep  # type: ignore[method-assign]
     return original
+
+
+def _tier_named(buffer: SharedSpillBuffer, path: str) -> int:
+    """The tier whose root a handle's ``path`` claims to be under."""
+    disk_root = buffer.store.tiers.roots[1]
+    return 3 if path.startswith(disk_root.rstrip("/") + "/") else 2
 
 
 def _exception_of(event: GatherDepFailureEvent) -> BaseException | None:

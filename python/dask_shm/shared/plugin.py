@@ -108,9 +108,11 @@ class SharedMemoryPlugin(WorkerPlugin):
         install_spill_buffer(worker, buffer)
         self._buffer = buffer
         self._registry = PeerRegistry(root)
-        self._original_gather_dep = fetches.receive_fetches_into(worker, buffer, self._registry)
-        transfer.enable_receiving(buffer)
         tokens = _root_tokens(root, settings.disk_root)
+        self._original_gather_dep = fetches.receive_fetches_into(
+            worker, buffer, self._registry, tokens
+        )
+        transfer.enable_receiving(buffer)
         self._original_get_data = install_get_data(worker, buffer, self._registry, tokens)
         self._registry.register(worker.address, tokens.values())
         monitor.install_worker_monitor(worker, buffer)

@@ -11,8 +11,9 @@ is ignored and removed.
 The entry's content (JSON) says what else the peer shares with us:
 ``roots``, the identity tokens of the roots it keeps files in (see
 :mod:`dask_shm.shared.root_id`: a sender hands a handle only for a file in a
-root whose token the receiver lists), and ``refused``, the senders whose
-handles it could not resolve (those send it bytes from then on). The pid and
+root whose token the receiver lists), and ``refused``, per sender the root
+tokens whose handles from it could not be resolved (a token copied along
+with a directory: that sender sends files of those roots as bytes from then on). The pid and
 start time are informative only. Content that cannot be parsed means "no
 roots": bytes, never a handle the peer may not resolve.
 """
@@ -52,19 +53,22 @@ def peers_directory(root: str) -> str:
 @dataclass(frozen=True)
 class PeerEntry:
     """What a live peer published: the root tokens it shares files through
-    and the senders whose handles it refuses."""
+    and, per sender, the root tokens whose handles it refuses."""
 
     roots: frozenset[str]
-    refused: frozenset[str]
+    refused: dict[str, frozenset[str]]
 
     @classmethod
     def parse(cls, content: bytes) -> PeerEntry:
         try:
             doc = json.loads(content)
             roots = frozenset(str(t) for t in doc.get("roots", ()))
-            refused = frozenset(str(a) for a in doc.get("refused", ()))
+            refused = {
+                str(a): frozenset(str(t) for t in ts)
+                for a, ts in dict(doc.get("refused", {})).items()
+            }
         except (ValueError, TypeError, AttributeError):
-            return cls(frozenset(), frozenset())
+            return cls(frozenset(), {})
         return cls(roots, refused)
 
 
@@ -137,7 +141,7 @@ class PeerRegistry:
             return
         self.unregister(address)
         me = paths.ProcessIdentity.current()
-        doc = {"pid": me.pid, "start": me.start, "roots": sorted(roots), "refused": []}
+        doc: dict = {"pid": me.pid, "start": me.start, "roots": sorted(roots), "refused": {}}
         tmp = f"{self._path(address)}.{uuid.uuid4().hex[:8]}.tmp"
         fd = os.open(
             tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
@@ -158,15 +162,15 @@ class PeerRegistry:
         self._published[address] = doc
         self._cache.pop(address, None)
 
-    def refuse(self, address: str, sender: str) -> None:
-        """Ask ``sender`` to send bytes to our worker at ``address`` from now
-        on (its handles could not be resolved here). Peers see it within
-        :data:`CACHE_SECONDS`."""
+    def refuse(self, address: str, sender: str, token: str) -> None:
+        """Ask ``sender`` to send files of the root with identity ``token``
+        as bytes to our worker at ``address`` from now on (its handles there
+        could not be resolved here). Peers see it within :data:`CACHE_SECONDS`."""
         fd = self._held.get(address)
         doc = self._published.get(address)
-        if fd is None or doc is None or sender in doc["refused"]:
+        if fd is None or doc is None or token in doc["refused"].get(sender, ()):
             return
-        doc["refused"].append(sender)
+        doc["refused"].setdefault(sender, []).append(token)
         content = json.dumps(doc).encode()
         # Rewritten in place (the lock belongs to this inode); a reader that
         # catches it half-written parses nothing, which means bytes: safe.
@@ -209,8 +213,9 @@ class PeerRegistry:
     def shared_roots(self, address: str | None, sender: str, ours: Iterable[str]) -> set[str]:
         """Which of the root tokens ``ours`` the worker at ``address`` shares
         and accepts handles in from ``sender``: empty when it is not a live
-        peer on our tmpfs or refused ``sender``'s handles."""
+        peer on our tmpfs."""
         entry = self.entry(address)
-        if entry is None or sender in entry.refused:
+        if entry is None:
             return set()
-        return {t for t in ours if t in entry.roots}
+        refused = entry.refused.get(sender, frozenset())
+        return {t for t in ours if t in entry.roots and t not in refused}

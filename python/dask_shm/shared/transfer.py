@@ -102,10 +102,10 @@ def _deserialize_handle(header: dict[str, Any], frames: list) -> object:
         return Unresolved(handle.path, f"{type(e).__name__}: {e}")
 
 
-def drop_unresolved(data: dict) -> list:
+def drop_unresolved(data: dict) -> dict:
     """Remove the :class:`Unresolved` markers from a fetch's ``data`` (in
-    place); returns their keys."""
-    dropped = [k for k, v in data.items() if isinstance(v, Unresolved)]
+    place); returns them by key."""
+    dropped = {k: v for k, v in data.items() if isinstance(v, Unresolved)}
     for k in dropped:
         del data[k]
     return dropped
