@@ -79,7 +79,7 @@ def receive_fetches_into(
                 return _fail_waiting_tasks(worker, peer, to_gather, exc, event)
         return event
 
-    worker.gather_dep = gather_dep  # type: ignore[method-assign]
+    worker.gather_dep = gather_dep  # type: ignore[method-assign,assignment]
     return original
 
 
