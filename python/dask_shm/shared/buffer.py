@@ -269,6 +269,12 @@ class SharedSpillBuffer(SpillBuffer):
             return  # its file is still there: nothing to write
         super().fast_to_slow(key, value)
 
+    def check_readable(self, key: Key) -> None:
+        """Raise SpillFileError naming ``key`` if it is spilled and its file
+        vanished or was tampered with (nothing is read)."""
+        with self._operation_lock:
+            self.store.check_readable(key)
+
     # -- same-host transfers -----------------------------------------------------
 
     def export(self, key: Key, tiers: Collection[int] = (2, 3)) -> Handle | None:

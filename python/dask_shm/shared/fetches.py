@@ -107,8 +107,9 @@ def _fail_waiting_tasks(
     exc: transfer.PeerReadError,
     event: GatherDepFailureEvent,
 ) -> GatherDepSuccessEvent:
-    """``peer`` cannot read back the key(s) ``exc`` names: fail this worker's
-    tasks waiting for them with ``exc`` and take every key of the request as
+    """``peer`` cannot read back the key(s) ``exc`` names (all of the
+    request's if it names none of them): fail this worker's tasks waiting
+    for them with SpillFileError and take every key of the request as
     missing on ``peer``."""
     text = str(exc)
     broken = [k for k in to_gather if repr(k) in text] or list(to_gather)

@@ -119,7 +119,7 @@ def install_get_data(
         try:
             if worker.data is buffer:
                 for key in keys:
-                    buffer.store.check_readable(key)
+                    buffer.check_readable(key)
             return await _answer(comm, keys, who, **kwargs)
         except SpillFileError as e:
             raise PeerReadError(str(e)) from e

@@ -227,9 +227,15 @@ class SharedSpillStore(SpillStore):
         name = self.filenames.get(key)
         if name is None:
             return
-        path = str(self.files.path(name))
-        if not os.path.lexists(path):
-            raise SpillFileError(f"the spilled file of key {key!r} ({path}) vanished")
+        try:
+            path = str(self.files.path(name))
+            if not os.path.lexists(path):
+                # Gone for a reason of ours (unspilled, moved to tier 3) meanwhile?
+                if self.filenames.get(key) != name or str(self.files.path(name)) != path:
+                    return
+                raise SpillFileError(f"the spilled file of key {key!r} ({path}) vanished")
+        except KeyError:
+            return  # deleted meanwhile
         integrity.verify(key, path, self.fingerprints.get(name))
 
     # -- retained files --------------------------------------------------------
