@@ -152,3 +152,25 @@ def test_a_forged_handle_is_a_failed_fetch_then_bytes(root) -> None:
             assert counters[a]["fallback_transfers"] == 1, counters
     finally:
         shutil.rmtree(outside, ignore_errors=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_forged_handle_in_replicate_is_left_out_then_bytes(root) -> None:
+    """The scheduler's replicate fetches through Worker.gather, not
+    gather_dep: the unresolvable key is not stored, and the retry gets bytes."""
+    outside = tempfile.mkdtemp(dir="/dev/shm", prefix="dask-shm-outside-")
+    try:
+        with process_cluster(2, "1 GiB") as client:
+            client.register_plugin(SharedMemoryPlugin(root=root))
+            a, b = worker_addresses(client)
+            client.run(_forge_exports, outside=outside, workers=[a])
+            x = client.submit(np.full, 2 * MB // 8, 4.0, workers=[a], key="x")
+            wait(x)
+            client.replicate([x], n=2)
+            held = client.run(lambda dask_worker: float(dask_worker.data["x"].sum()))
+            assert held == {a: 4.0 * (2 * MB // 8), b: 4.0 * (2 * MB // 8)}
+            counters = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
+            assert counters[b]["received_links"] == 0, counters
+            assert counters[b]["unresolved_handles"] >= 1, counters
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)

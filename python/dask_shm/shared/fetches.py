@@ -19,6 +19,12 @@ peer's reply in shared-memory mode.
   failure (stock distributed leaves them waiting forever,
   dask/distributed#6705). The other keys of the same request are taken as
   missing on that peer and fetched again.
+
+The scheduler's ``replicate``/``rebalance`` fetch through the worker's
+``gather`` handler, not ``gather_dep``: there an unresolved key is left out
+of ``Worker.update_data`` and reported to the scheduler as not acquired
+(``partial-fail``: the scheduler retries it), and, the sender being unknown
+there, every peer is asked for bytes for files of that root.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from distributed.worker_state_machine import (
 
 from dask_shm._core import SpillFileError
 from dask_shm.shared import transfer
+from dask_shm.shared.registry import ANY
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -61,9 +68,7 @@ def receive_fetches_into(
             event = await original(peer, to_gather, *args, **kwargs)
         if isinstance(event, GatherDepSuccessEvent):
             dropped = transfer.drop_unresolved(event.data)
-            for token in {tokens.get(_tier_named(buffer, u.path)) for u in dropped.values()}:
-                if token is not None:
-                    registry.refuse(worker.address, peer, token)
+            _refuse(registry, worker.address, peer, buffer, tokens, dropped)
             if dropped:
                 logger.warning(
                     "dask-shm: %d handle(s) from %s could not be resolved (%s); "
@@ -81,6 +86,53 @@ def receive_fetches_into(
 
     worker.gather_dep = gather_dep  # type: ignore[method-assign,assignment]
     return original
+
+
+def drop_unresolved_updates(
+    worker: Worker, buffer: SharedSpillBuffer, registry: PeerRegistry, tokens: dict[int, str]
+) -> Any:
+    """Make ``worker.update_data`` leave out unresolved handles and the
+    ``gather`` handler report them as failed (see above); returns the
+    original ``gather`` handler."""
+    original = worker.update_data
+    original_gather = worker.handlers["gather"]
+
+    async def gather(who_has: dict) -> dict:
+        result = await original_gather(who_has=who_has)
+        lost = [k for k in who_has if k not in worker.data]
+        if result.get("status") == "OK" and lost:
+            return {"status": "partial-fail", "keys": lost}
+        return result
+
+    def update_data(data: dict, *args: Any, **kwargs: Any) -> Any:
+        dropped = transfer.drop_unresolved(data)
+        _refuse(registry, worker.address, ANY, buffer, tokens, dropped)
+        if dropped:
+            buffer.shm_counters["unresolved_handles"] += len(dropped)
+            logger.warning(
+                "dask-shm: %d handle(s) could not be resolved (%s); not stored",
+                len(dropped),
+                ", ".join(map(repr, list(dropped)[:3])),
+            )
+        return original(data, *args, **kwargs)
+
+    worker.update_data = update_data  # type: ignore[method-assign]
+    worker.handlers["gather"] = gather
+    return original_gather
+
+
+def _refuse(
+    registry: PeerRegistry,
+    address: str,
+    sender: str,
+    buffer: SharedSpillBuffer,
+    tokens: dict[int, str],
+    dropped: dict,
+) -> None:
+    """Ask ``sender`` for bytes for the roots of the ``dropped`` handles."""
+    for token in {tokens.get(_tier_named(buffer, u.path)) for u in dropped.values()}:
+        if token is not None:
+            registry.refuse(address, sender, token)
 
 
 def _tier_named(buffer: SharedSpillBuffer, path: str) -> int:

@@ -112,6 +112,9 @@ class SharedMemoryPlugin(WorkerPlugin):
         self._original_gather_dep = fetches.receive_fetches_into(
             worker, buffer, self._registry, tokens
         )
+        self._original_gather = fetches.drop_unresolved_updates(
+            worker, buffer, self._registry, tokens
+        )
         transfer.enable_receiving(buffer)
         self._original_get_data = install_get_data(worker, buffer, self._registry, tokens)
         self._registry.register(worker.address, tokens.values())
@@ -137,6 +140,8 @@ class SharedMemoryPlugin(WorkerPlugin):
         self._born.teardown(worker)
         worker.handlers["get_data"] = self._original_get_data
         worker.__dict__.pop("gather_dep", None)
+        worker.__dict__.pop("update_data", None)
+        worker.handlers["gather"] = self._original_gather
         monitor.uninstall_worker_monitor(worker)
         metrics.uninstall(worker)
         buffer = self._buffer

@@ -34,6 +34,9 @@ from dask_shm.shared import paths
 #: How long a positive or negative answer is trusted before the file is re-read.
 CACHE_SECONDS = 2.0
 
+#: The sender of :meth:`PeerRegistry.refuse` that stands for every peer.
+ANY = "*"
+
 #: A half-written registration (``*.tmp``) older than this is removed by sweeps.
 TMP_GRACE_SECONDS = 60.0
 
@@ -163,9 +166,10 @@ class PeerRegistry:
         self._cache.pop(address, None)
 
     def refuse(self, address: str, sender: str, token: str) -> None:
-        """Ask ``sender`` to send files of the root with identity ``token``
-        as bytes to our worker at ``address`` from now on (its handles there
-        could not be resolved here). Peers see it within :data:`CACHE_SECONDS`."""
+        """Ask ``sender`` (:data:`ANY`: every peer) to send files of the root
+        with identity ``token`` as bytes to our worker at ``address`` from now
+        on (its handles there could not be resolved here). Peers see it within
+        :data:`CACHE_SECONDS`."""
         fd = self._held.get(address)
         doc = self._published.get(address)
         if fd is None or doc is None or token in doc["refused"].get(sender, ()):
@@ -217,5 +221,5 @@ class PeerRegistry:
         entry = self.entry(address)
         if entry is None:
             return set()
-        refused = entry.refused.get(sender, frozenset())
+        refused = entry.refused.get(sender, frozenset()) | entry.refused.get(ANY, frozenset())
         return {t for t in ours if t in entry.roots and t not in refused}
