@@ -28,9 +28,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dask_shm._core import FileStore, SpillFileError
+from dask_shm._core import FileStore, ForgedHandleError, SpillFileError
 from dask_shm._core import __version__ as __version__
 from dask_shm.config import load_defaults
+
+# PyO3 names the extension's exceptions' module "_core", which nothing can
+# import: pickled (a task's error, a peer's reply) they would reach another
+# process as a look-alike class that `except SpillFileError` does not catch.
+for _exception in (SpillFileError, ForgedHandleError):
+    _exception.__module__ = "dask_shm._core"
 
 load_defaults()
 

@@ -31,6 +31,7 @@ import logging
 import uuid
 import weakref
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -268,26 +269,34 @@ class SharedSpillBuffer(SpillBuffer):
             return  # its file is still there: nothing to write
         super().fast_to_slow(key, value)
 
+    def check_readable(self, key: Key) -> None:
+        """Raise SpillFileError naming ``key`` if it is spilled and its file
+        vanished or was tampered with (nothing is read)."""
+        with self._operation_lock:
+            self.store.check_readable(key)
+
     # -- same-host transfers -----------------------------------------------------
 
-    def export(self, key: Key) -> Handle | None:
+    def export(self, key: Key, tiers: Collection[int] = (2, 3)) -> Handle | None:
         """Make sure ``key`` is in a file and return a handle for a peer on
         this host (a fresh hard link the caller deletes once the peer has
         linked it). A value held privately in memory is written out and
         leaves memory (its next use maps the file). Returns None when the
-        key is absent, the value is not worth sharing, or writing/linking
+        key is absent, the value is not worth sharing, its file is in a tier
+        not in ``tiers`` (the peer does not share that root; a value in memory
+        is written out only when it can share tier 2), or writing/linking
         fails (the caller then sends bytes)."""
         with self._operation_lock:
             store = self.store
             with self.lock:
                 try:
                     if store.file_of(key) is None:
-                        if key not in self.fast:
+                        if key not in self.fast or 2 not in tiers:
                             return None
                         value = self.fast.d[key]
                         store[key] = value
                         del self.fast[key]
-                    return store.export(key)
+                    return store.export(key, tiers)
                 except (MaxSpillExceeded, PickleError, OSError) as e:
                     logger.info("dask-shm: cannot hand %r over by hard link: %s", key, e)
                     return None

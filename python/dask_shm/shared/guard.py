@@ -46,8 +46,14 @@ def ensure_value(key: Key, value: object) -> None:
     """Raise :class:`HandleLeakError` if ``value`` is a handle (bare or
     wrapped for serialization) instead of the value it names."""
     from dask_shm.shared.store import Handle
+    from dask_shm.shared.transfer import Unresolved
 
     inner = value.data if isinstance(value, Serialize) else value
+    if isinstance(inner, Unresolved):
+        raise HandleLeakError(
+            f"dask-shm: key {key!r} received a shared-memory handle that could not "
+            f"be resolved ({inner.reason}) instead of its value"
+        )
     if isinstance(inner, Handle):
         raise HandleLeakError(
             f"dask-shm: key {key!r} received a shared-memory handle ({inner.path}) "

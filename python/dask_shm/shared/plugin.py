@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from dask_shm.config import SharedMemorySettings
-from dask_shm.shared import born_worker, limits, metrics, monitor, paths, transfer
+from dask_shm.shared import (
+    born_worker,
+    fetches,
+    limits,
+    metrics,
+    monitor,
+    paths,
+    root_id,
+    transfer,
+)
 from dask_shm.shared.buffer import SharedSpillBuffer
 from dask_shm.shared.registry import PeerRegistry
 from dask_shm.shared.sender import install_get_data
@@ -97,11 +106,17 @@ class SharedMemoryPlugin(WorkerPlugin):
         _warn_small_root(root, budget)
         install_spill_buffer(worker, buffer)
         self._buffer = buffer
-        self._original_gather_dep = _receive_fetches_into(worker, buffer)
-        transfer.enable_receiving(buffer)
         self._registry = PeerRegistry(root)
-        self._original_get_data = install_get_data(worker, buffer, self._registry)
-        self._registry.register(worker.address)
+        tokens = _root_tokens(root, settings.disk_root)
+        self._original_gather_dep = fetches.receive_fetches_into(
+            worker, buffer, self._registry, tokens
+        )
+        self._original_gather = fetches.drop_unresolved_updates(
+            worker, buffer, self._registry, tokens
+        )
+        transfer.enable_receiving(buffer)
+        self._original_get_data = install_get_data(worker, buffer, self._registry, tokens)
+        self._registry.register(worker.address, tokens.values())
         monitor.install_worker_monitor(worker, buffer)
         metrics.install(worker)
         # After the monitor: born-shared bytes are added on top of it.
@@ -124,6 +139,8 @@ class SharedMemoryPlugin(WorkerPlugin):
         self._born.teardown(worker)
         worker.handlers["get_data"] = self._original_get_data
         worker.__dict__.pop("gather_dep", None)
+        worker.__dict__.pop("update_data", None)
+        worker.handlers["gather"] = self._original_gather
         monitor.uninstall_worker_monitor(worker)
         metrics.uninstall(worker)
         buffer = self._buffer
@@ -155,16 +172,17 @@ def _warn_small_root(root: str, budget: limits.Budget) -> None:
         )
 
 
-def _receive_fetches_into(worker: Worker, buffer: SharedSpillBuffer) -> Any:
-    """Make handles that arrive during ``worker``'s fetches go to ``buffer``."""
-    original = worker.gather_dep
-
-    async def gather_dep(*args: Any, **kwargs: Any) -> Any:
-        with transfer.receiving_into(buffer):
-            return await original(*args, **kwargs)
-
-    worker.gather_dep = gather_dep  # type: ignore[method-assign]
-    return original
+def _root_tokens(root: str, disk_root: str) -> dict[int, str]:
+    """The identity tokens of the two tiers' roots (see
+    :mod:`~dask_shm.shared.root_id`); a tier whose token cannot be made is
+    left out (its files then always go to peers as bytes)."""
+    tokens = {}
+    for tier, path in ((2, root), (3, disk_root)):
+        try:
+            tokens[tier] = root_id.root_token(path)
+        except OSError as e:
+            logger.info("dask-shm: no identity token for %s (%s); its files go as bytes", path, e)
+    return tokens
 
 
 class SharedMemoryNannyPlugin(NannyPlugin):

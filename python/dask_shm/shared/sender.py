@@ -2,16 +2,27 @@
 
 :func:`install_get_data` wraps the worker's ``get_data`` handler. For a
 requester in the :class:`~dask_shm.shared.registry.PeerRegistry` (a worker on
-this host in shared-memory mode) the stock handler runs unchanged (throttling,
+our tmpfs in shared-memory mode) the stock handler runs unchanged (throttling,
 accounting, the two-step handshake) over a comm proxy that, just before the
 message is written, swaps each value for a :class:`~dask_shm.shared.store.Handle`
 to a fresh hard link of its file. The links are deleted once the handshake is
-over (the receiver has linked the file by then) or the transfer failed. Values
-that cannot be handed over (not worth sharing, link failure) are sent as bytes.
+over (the receiver has linked the file by then) or the transfer failed. Only
+files in roots the requester shares are handed over (the identity tokens it
+published, see :mod:`dask_shm.shared.root_id`: a host sharing our tmpfs but
+not our tier-3 directory gets tier-2 files as handles and tier-3 values as
+bytes), and nothing once it refused our handles. Values that cannot be
+handed over (not worth sharing, a root it does not share, link failure) are
+sent as bytes.
 Anyone else (clients, other hosts, workers without shared memory) gets bytes,
 and so does everyone over a comm that does not serialize messages
 (``inproc://``): there a handle would reach the receiver as an object, not as
 the value it names (see :mod:`dask_shm.shared.guard`).
+
+For everyone, a key whose spilled file vanished or was tampered with fails
+the request with :class:`~dask_shm.shared.transfer.PeerReadError` naming it
+(not the store's SpillFileError, an OSError the requester would take for a
+dead connection), checked before the stock handler runs (which would count
+an outgoing transfer it never uncounts) and again around it.
 """
 
 from __future__ import annotations
@@ -24,8 +35,10 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import context_meter
 from distributed.protocol.serialize import Serialize, to_serialize
 
+from dask_shm._core import SpillFileError
 from dask_shm.shared.guard import comm_serializes
 from dask_shm.shared.registry import PeerRegistry
+from dask_shm.shared.transfer import PeerReadError
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -38,9 +51,11 @@ logger = logging.getLogger(__name__)
 class _HandleSwappingComm:
     """Delegates to ``comm``; ``write`` replaces values by handles."""
 
-    def __init__(self, comm: Any, buffer: SharedSpillBuffer):
+    def __init__(self, comm: Any, buffer: SharedSpillBuffer, tiers: frozenset[int]):
         self._comm = comm
         self._buffer = buffer
+        #: the tiers whose files the receiver can link
+        self._tiers = tiers
         self.links: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -56,7 +71,7 @@ class _HandleSwappingComm:
         out = {}
         for key, wrapped in data.items():
             value = wrapped.data if isinstance(wrapped, Serialize) else wrapped
-            handle = self._buffer.export(key)
+            handle = self._buffer.export(key, self._tiers)
             if handle is None:
                 counters["fallback_transfers"] += 1
                 counters["fallback_bytes"] += _nbytes(value)
@@ -89,18 +104,34 @@ def _nbytes(value: object) -> int:
 GetData = Callable[..., Awaitable[Any]]
 
 
-def install_get_data(worker: Worker, buffer: SharedSpillBuffer, registry: PeerRegistry) -> GetData:
-    """Wrap ``worker``'s get_data handler; returns the handler it replaced."""
+def install_get_data(
+    worker: Worker,
+    buffer: SharedSpillBuffer,
+    registry: PeerRegistry,
+    root_tokens: dict[int, str],
+) -> GetData:
+    """Wrap ``worker``'s get_data handler; returns the handler it replaced.
+    ``root_tokens`` maps each tier (2, 3) of ``buffer`` to its root's identity
+    token (a tier without one is never handed over)."""
     original: GetData = worker.handlers["get_data"]
 
     async def get_data(comm: Any, keys: Any = (), who: str | None = None, **kwargs: Any) -> Any:
-        if (
-            worker.data is not buffer
-            or not comm_serializes(comm)
-            or not registry.accepts_handles(who)
-        ):
+        try:
+            if worker.data is buffer:
+                for key in keys:
+                    buffer.check_readable(key)
+            return await _answer(comm, keys, who, **kwargs)
+        except SpillFileError as e:
+            raise PeerReadError(str(e)) from e
+
+    async def _answer(comm: Any, keys: Any, who: str | None, **kwargs: Any) -> Any:
+        tiers: frozenset[int] = frozenset()
+        if worker.data is buffer and comm_serializes(comm):
+            shared = registry.shared_roots(who, worker.address, root_tokens.values())
+            tiers = frozenset(t for t, token in root_tokens.items() if token in shared)
+        if not tiers:
             return await original(comm, keys=keys, who=who, **kwargs)
-        proxy = _HandleSwappingComm(comm, buffer)
+        proxy = _HandleSwappingComm(comm, buffer, tiers)
         try:
             return await original(proxy, keys=keys, who=who, **kwargs)
         finally:

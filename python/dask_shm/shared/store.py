@@ -23,6 +23,7 @@ import errno
 import os
 import weakref
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -31,7 +32,7 @@ from dask.typing import Key
 from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
-from dask_shm._core import FileStore, live_mappings
+from dask_shm._core import FileStore, SpillFileError, live_mappings
 from dask_shm.shared import born, born_store, dirty, integrity
 from dask_shm.shared.payload import read_tracking_mapping, worth_sharing
 from dask_shm.shared.tiers import TieredFiles
@@ -220,6 +221,23 @@ class SharedSpillStore(SpillStore):
     def __getitem__(self, key: Key) -> object:
         return self.load(key)[0]
 
+    def check_readable(self, key: Key) -> None:
+        """Raise SpillFileError naming ``key`` if it is spilled here and its
+        file vanished or was tampered with (one ``lstat``; nothing read)."""
+        name = self.filenames.get(key)
+        if name is None:
+            return
+        try:
+            path = str(self.files.path(name))
+            if not os.path.lexists(path):
+                # Gone for a reason of ours (unspilled, moved to tier 3) meanwhile?
+                if self.filenames.get(key) != name or str(self.files.path(name)) != path:
+                    return
+                raise SpillFileError(f"the spilled file of key {key!r} ({path}) vanished")
+        except KeyError:
+            return  # deleted meanwhile
+        integrity.verify(key, path, self.fingerprints.get(name))
+
     # -- retained files --------------------------------------------------------
 
     def retain(self, key: Key, value: object, name: str | None = None) -> None:
@@ -284,11 +302,12 @@ class SharedSpillStore(SpillStore):
 
     # -- hand-over between stores ------------------------------------------------
 
-    def export(self, key: Key) -> Handle | None:
+    def export(self, key: Key, tiers: Collection[int] = (2, 3)) -> Handle | None:
         """A new hard link to ``key``'s file in its tier's outgoing directory,
-        for a peer to adopt; None when the value is not worth sharing. The
-        caller deletes the link once the peer has it. Raises OSError when the
-        link cannot be made (EMLINK, ...)."""
+        for a peer to adopt; None when the value is not worth sharing or its
+        file is in a tier not in ``tiers``. The caller deletes the link once
+        the peer has it. Raises OSError when the link cannot be made (EMLINK,
+        ...), SpillFileError when the file was tampered with."""
         name = self.file_of(key)
         if name is None or name not in self.shareable:
             return None
@@ -299,7 +318,9 @@ class SharedSpillStore(SpillStore):
             return None  # written in place: the file is no longer the value
         if r is not None:
             memory = r.memory
-        path = self.tiers.link_out(name)
+        path = self.tiers.link_out(name, tiers)
+        if path is None:
+            return None
         return Handle(path, os.stat(path).st_size, memory, self.shareable[name], file_stem(key))
 
     def adopt(self, handle: Handle) -> str:

@@ -34,7 +34,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from dask_shm._core import FileStore, TierBudget, move_entry
@@ -242,11 +242,16 @@ class TieredFiles:
             self.budget.add(name, disk // holders)
             return name, disk
 
-    def link_out(self, name: str) -> str:
-        """A new hard link to ``name``'s file in its tier's outgoing directory."""
+    def link_out(self, name: str, tiers: Collection[int] = (2, 3)) -> str | None:
+        """A new hard link to ``name``'s file in its tier's outgoing directory;
+        None when the file is in a tier not in ``tiers`` (checked under the
+        lock: a file cannot move between the check and the link)."""
         with self._lock:
             store, inner = self._locate(name)
-            out = self.outgoing[1] if store is self.disk else self.outgoing[0]
+            tier = 3 if store is self.disk else 2
+            if tier not in tiers:
+                return None
+            out = self.outgoing[1] if tier == 3 else self.outgoing[0]
             return str(store.link_out(inner, out))
 
     def read(self, name: str) -> list[memoryview]:

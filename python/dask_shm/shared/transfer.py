@@ -11,6 +11,15 @@ mapped), hard-links it once into its own store and maps it, so what the
 receiver's code sees is the real value. The file belongs to that buffer from
 the moment it arrives (see ``receive`` for its release).
 
+Deserialization never raises (distributed deadlocks on an exception there): a
+handle that cannot be turned into its value (not found, another file system,
+unreadable, forged, no receiving buffer) deserializes into an
+:class:`Unresolved` marker naming the key's stem and the reason. The fetch
+that received it drops the marker (:func:`drop_unresolved`, called by the
+plugin around ``Worker.gather_dep``): distributed then takes the key as
+missing on that peer and fetches it elsewhere or asks the scheduler, and the
+receiver asks that peer for bytes from then on.
+
 The receiving buffer is the one of the worker whose fetch is running
 (:func:`receiving_into`, set around ``Worker.gather_dep`` by the plugin: a
 context variable, so it follows the fetch into offload threads and tells
@@ -20,6 +29,7 @@ in-process workers apart), else the one given to :func:`enable_receiving`.
 from __future__ import annotations
 
 import contextvars
+import logging
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
 from dask_shm.shared.store import Handle
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from dask_shm.shared.buffer import SharedSpillBuffer
@@ -49,6 +61,28 @@ def _serialize_handle(handle: Handle) -> tuple[dict[str, Any], list]:
     }, []
 
 
+class PeerReadError(RuntimeError):
+    """A peer could not read back a key it holds (its file vanished or was
+    tampered with): the :class:`~dask_shm.SpillFileError` message, naming the
+    key, carried over the wire as an error that is not an OSError
+    (distributed takes an OSError from a peer for a dead connection and
+    retries it forever)."""
+
+
+class Unresolved:
+    """What a handle that could not be turned into its value deserializes
+    into: never a value, only a note for the fetch that received it."""
+
+    __slots__ = ("path", "reason")
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<unresolved shared-memory handle {self.path}: {self.reason}>"
+
+
 @dask_deserialize.register(Handle)
 def _deserialize_handle(header: dict[str, Any], frames: list) -> object:
     try:
@@ -59,9 +93,22 @@ def _deserialize_handle(header: dict[str, Any], frames: list) -> object:
             int(header["shareable"]),
             str(header.get("stem", "in")),
         )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"malformed shared-memory handle {header!r}") from e
-    return receive(handle)
+    except (KeyError, TypeError, ValueError):
+        return Unresolved(str(header.get("path", "?")), f"malformed handle {header!r}")
+    try:
+        return receive(handle)
+    except Exception as e:  # never raise here: distributed deadlocks on it
+        logger.warning("dask-shm: cannot take over %s from a peer: %s", handle.path, e)
+        return Unresolved(handle.path, f"{type(e).__name__}: {e}")
+
+
+def drop_unresolved(data: dict) -> dict:
+    """Remove the :class:`Unresolved` markers from a fetch's ``data`` (in
+    place); returns them by key."""
+    dropped = {k: v for k, v in data.items() if isinstance(v, Unresolved)}
+    for k in dropped:
+        del data[k]
+    return dropped
 
 
 def enable_receiving(buffer: SharedSpillBuffer | None) -> None:
