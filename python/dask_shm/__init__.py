@@ -33,6 +33,10 @@ from dask_shm._core import __version__ as __version__
 from dask_shm.config import load_defaults
 
 load_defaults()
+# The Rust module names its exception ``_core.SpillFileError``: a module that
+# cannot be imported under that name, so the exception would neither print as
+# users import it nor unpickle (e.g. on a client, from a worker).
+SpillFileError.__module__ = __name__
 
 if TYPE_CHECKING:
     from distributed.spill import SpilledSize
