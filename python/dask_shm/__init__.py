@@ -15,7 +15,8 @@ Public API:
   ``shm.*`` config switches enable.
 
 Importing the package loads only the Rust core and the ``shm`` config
-defaults. Every other name is imported on first access (PEP 562 module
+defaults, and shows the ``dask_shm`` loggers the way distributed shows its
+own (:mod:`dask_shm.logs`). Every other name is imported on first access (PEP 562 module
 ``__getattr__``), so that a process that needs one part, such as a pool
 process of :func:`get` that needs only the transport, does not import
 ``distributed``, ``zict`` and every plugin. ``getattr(dask_shm, "dask_setup")``
@@ -31,8 +32,10 @@ from typing import TYPE_CHECKING, Any
 from dask_shm._core import FileStore, SpillFileError
 from dask_shm._core import __version__ as __version__
 from dask_shm.config import load_defaults
+from dask_shm.logs import initialize_logging
 
 load_defaults()
+initialize_logging()
 # The Rust module names its exception ``_core.SpillFileError``: a module that
 # cannot be imported under that name, so the exception would neither print as
 # users import it nor unpickle (e.g. on a client, from a worker).
