@@ -24,6 +24,12 @@ def test_spill_buffer_reads_byte_sizes_like_distributed(tmp_path):
     assert (buf["big"] == 0).all()
 
 
+def test_numpy_integers_are_byte_sizes(tmp_path):
+    buf = SpillBuffer(str(tmp_path), target=np.int64(1024), max_spill=np.uint32(1 << 20))
+    buf["big"] = np.zeros(4096, dtype="u1")
+    assert "big" in buf.slow
+
+
 def test_spill_buffer_max_spill_as_a_string_is_enforced(tmp_path):
     buf = SpillBuffer(str(tmp_path), target=0, max_spill="8 KiB")
     buf["a"] = np.zeros(6000, dtype="u1")
@@ -41,6 +47,7 @@ def test_spill_buffer_max_spill_as_a_string_is_enforced(tmp_path):
         ({"target": 0.6}, ValueError, "target must be a whole number"),
         ({"target": None}, TypeError, "target must be a byte size"),
         ({"target": True}, TypeError, "target must be a byte size"),
+        ({"target": float("inf")}, ValueError, "target must be a whole number"),
         ({"target": 100, "max_spill": -1}, ValueError, "max_spill must be a whole number"),
         ({"target": 100, "max_spill": "10 gigs"}, ValueError, "max_spill must be a byte size"),
         ({"target": 100, "max_spill": None}, TypeError, "max_spill must be False or a byte"),
@@ -82,6 +89,7 @@ def test_shared_buffer_reads_byte_sizes(shm_dir, tmp_path):
         ({"budget": [1]}, TypeError, "budget must be a byte size"),
         ({"min_size": -5}, ValueError, "min_size must be a whole number"),
         ({"min_shared_fraction": 3}, ValueError, "min_shared_fraction must be between 0 and 1"),
+        ({"min_shared_fraction": float("nan")}, ValueError, "must be between 0 and 1"),
         ({"min_shared_fraction": "half"}, TypeError, "min_shared_fraction must be a number"),
         ({"max_spill": -1}, ValueError, "max_spill must be a whole number"),
         ({"target": "1 GiB each"}, ValueError, "target must be a byte size"),

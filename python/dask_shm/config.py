@@ -7,6 +7,8 @@ Validation errors name the key and say what is accepted in the schema's words
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import stat
 import tempfile
@@ -69,13 +71,13 @@ def byte_size(value: object, name: str) -> int:
             raise ValueError(
                 f"{name} must be a byte size such as 1073741824 or '1GiB'; got {value!r}"
             ) from None
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        n = value
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        n = float(value) if not isinstance(value, numbers.Integral) else int(value)
     else:
         raise TypeError(
             f"{name} must be a byte size (an int or a string such as '1GiB'); got {value!r}"
         )
-    if n < 0 or n != int(n):
+    if not math.isfinite(n) or n < 0 or n != int(n):
         raise ValueError(f"{name} must be a whole number of bytes >= 0; got {value!r}")
     return int(n)
 
@@ -97,11 +99,12 @@ def spill_limit(value: object, name: str = "max_spill") -> int | Literal[False]:
 def fraction(value: object, name: str) -> float:
     """``value`` as a fraction in [0, 1]. Raises TypeError (not a number) or
     ValueError (out of range) naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number between 0 and 1; got {value!r}")
-    if not 0 <= value <= 1:
+    result = float(value)
+    if not 0 <= result <= 1:  # NaN too
         raise ValueError(f"{name} must be between 0 and 1; got {value!r}")
-    return float(value)
+    return result
 
 
 def unknown_keys(config: object = None, prefix: str = "shm") -> list[str]:

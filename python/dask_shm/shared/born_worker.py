@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import dask.config
-from dask.utils import parse_bytes
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_shm import _core
+from dask_shm.config import byte_size
 from dask_shm.shared import born, paths
 from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, own_bytes
 
@@ -113,9 +113,7 @@ class BornSettings:
 def _bytes(name: str, default: Any, minimum: int) -> int:
     raw = dask.config.get(f"shm.shared-memory.{name}", default=default)
     try:
-        if isinstance(raw, bool):
-            raise TypeError
-        value = parse_bytes(raw) if isinstance(raw, str) else int(raw)
+        value = byte_size(raw, f"shm.shared-memory.{name}")
         if value < minimum:
             raise ValueError
     except (TypeError, ValueError):
