@@ -217,6 +217,9 @@ def reclaim_dead_processes(root: str | None, disk_root: str) -> int:
             continue
         try:
             freed += paths.reclaim(where, peers=peers).bytes
-        except (OSError, paths.UnusableRoot) as e:
+        except paths.UnusableRoot as e:
+            # The worker's buffer meets the same root and warns, naming the fix.
+            logger.debug("dask-shm: cannot remove dead processes' files under %s: %s", where, e)
+        except OSError as e:
             logger.info("dask-shm: cannot remove dead processes' files under %s: %s", where, e)
     return freed
