@@ -209,28 +209,31 @@ class BornSharedPlugin(WorkerPlugin):
         self.settings = settings
         self.announce = announce
 
-    def _report(self, state: str) -> None:
+    def _report(self, worker: Worker, state: str) -> None:
         self.state = state
         if self.announce:
-            logger.info("dask-shm: %s", state)
+            logger.info("dask-shm: %s: %s", worker.address, state)
 
     def setup(self, worker: Worker) -> None:
         from dask_shm.shared.buffer import SharedSpillBuffer
 
         settings = self.settings or BornSettings.from_config()
         if id(worker) in _installed:
-            return  # already on (e.g. SharedMemoryPlugin turned it on from config)
+            # already on (e.g. SharedMemoryPlugin turned it on from config)
+            self.state = "arrays born shared on"
+            return
         buffer = worker.data
         if not isinstance(buffer, SharedSpillBuffer):
-            self._report("arrays born shared need shared-memory mode; off")
+            self._report(worker, "arrays born shared need shared-memory mode; off")
             return
         root = buffer.store.root
         if not settings.enabled_for(root):
             self._report(
+                worker,
                 f"arrays born shared off: {root} serves no huge pages, and "
                 "arrays made for peers or spilled would fault fresh 4 KiB tmpfs pages "
                 "in, slower than ordinary memory (mount the root with "
-                "huge=within_size, or set shm.shared-memory.born-shared: true)"
+                "huge=within_size, or set shm.shared-memory.born-shared: true)",
             )
             return
         try:
@@ -267,7 +270,7 @@ class BornSharedPlugin(WorkerPlugin):
 
         buffer.evict = evict  # type: ignore[method-assign]
         self._report(
-            f"arrays of {settings.threshold} bytes or more born shared ({self._directory})"
+            worker, f"arrays of {settings.threshold} bytes or more born shared ({self._directory})"
         )
 
     def teardown(self, worker: Worker) -> None:
