@@ -455,13 +455,24 @@ async def test_plugins_install_on_running_cluster(c: Client, s: Scheduler, a: Wo
     assert df.loc["plugged", "memory"] == a.state.nbytes + b.state.nbytes > 0
 
 
-@gen_cluster(
-    client=True,
-    nthreads=[("", 1)],
-    scheduler_kwargs={"preload": ["dask_shm.spans.plugins"]},
-    worker_kwargs={"preload": ["dask_shm.spans.plugins"]},
-)
-async def test_preload_installs_both_extensions(c: Client, s: Scheduler, a: Worker):
+@pytest.mark.parametrize("preload", ["dask_shm.spans", "dask_shm.spans.plugins"])
+def test_preload_installs_both_extensions(preload: str) -> None:
+    """Both ``--preload dask_shm.spans`` (what the README says for the spans
+    alone) and the module that defines the hook install the extensions."""
+
+    @gen_cluster(
+        client=True,
+        nthreads=[("", 1)],
+        scheduler_kwargs={"preload": [preload]},
+        worker_kwargs={"preload": [preload]},
+    )
+    async def run(c: Client, s: Scheduler, a: Worker) -> None:
+        await check_preloaded_spans(c, s, a)
+
+    run()
+
+
+async def check_preloaded_spans(c: Client, s: Scheduler, a: Worker) -> None:
     assert isinstance(s.extensions["spans"], SpansSchedulerExtension)
     assert isinstance(a.extensions["spans"], SpansWorkerExtension)
     with span("preloaded"):

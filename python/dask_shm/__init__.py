@@ -15,7 +15,8 @@ Public API:
   ``shm.*`` config switches enable.
 
 Importing the package loads only the Rust core and the ``shm`` config
-defaults. Every other name is imported on first access (PEP 562 module
+defaults, and shows the ``dask_shm`` loggers the way distributed shows its
+own (:mod:`dask_shm.logs`). Every other name is imported on first access (PEP 562 module
 ``__getattr__``), so that a process that needs one part, such as a pool
 process of :func:`get` that needs only the transport, does not import
 ``distributed``, ``zict`` and every plugin. ``getattr(dask_shm, "dask_setup")``
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from dask_shm._core import FileStore, ForgedHandleError, SpillFileError
 from dask_shm._core import __version__ as __version__
 from dask_shm.config import load_defaults
+from dask_shm.logs import initialize_logging
 
 # PyO3 names the extension's exceptions' module "_core", which nothing can
 # import: pickled (a task's error, a peer's reply) they would reach another
@@ -39,6 +41,11 @@ for _exception in (SpillFileError, ForgedHandleError):
     _exception.__module__ = "dask_shm._core"
 
 load_defaults()
+initialize_logging()
+# The Rust module names its exception ``_core.SpillFileError``: a module that
+# cannot be imported under that name, so the exception would neither print as
+# users import it nor unpickle (e.g. on a client, from a worker).
+SpillFileError.__module__ = __name__
 
 if TYPE_CHECKING:
     from distributed.spill import SpilledSize

@@ -7,10 +7,13 @@ Validation errors name the key and say what is accepted in the schema's words
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import stat
 import tempfile
 from dataclasses import dataclass
+from typing import Literal
 
 import dask.config
 import yaml
@@ -49,6 +52,59 @@ def invalid(key: str, value: object) -> ValueError:
     """The ValueError for a bad ``value`` of ``key``: names both and says
     what is accepted."""
     return ValueError(f"config {key} must be {accepted(key)}; got {value!r}")
+
+
+def byte_size(value: object, name: str) -> int:
+    """``value`` as a number of bytes >= 0, read as distributed reads sizes:
+    an int (or a float with no fractional part) or a string that
+    ``dask.utils.parse_bytes`` reads, such as ``"1GiB"`` or ``"64 KiB"``.
+
+    Raises TypeError (any other type, bool included) or ValueError (a string
+    that is not a size, a negative or fractional size), whose message names
+    ``name`` and says what is accepted.
+    """
+    n: int | float
+    if isinstance(value, str):
+        try:
+            n = parse_bytes(value)
+        except ValueError:
+            raise ValueError(
+                f"{name} must be a byte size such as 1073741824 or '1GiB'; got {value!r}"
+            ) from None
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        n = float(value) if not isinstance(value, numbers.Integral) else int(value)
+    else:
+        raise TypeError(
+            f"{name} must be a byte size (an int or a string such as '1GiB'); got {value!r}"
+        )
+    if not math.isfinite(n) or n < 0 or n != int(n):
+        raise ValueError(f"{name} must be a whole number of bytes >= 0; got {value!r}")
+    return int(n)
+
+
+def spill_limit(value: object, name: str = "max_spill") -> int | Literal[False]:
+    """A ``max_spill`` argument: False (no limit) or a :func:`byte_size`.
+    Raises TypeError or ValueError naming ``name``."""
+    if value is False:
+        return False
+    try:
+        return byte_size(value, name)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be False or a byte size (an int or a string such as '10GiB'); "
+            f"got {value!r}"
+        ) from None
+
+
+def fraction(value: object, name: str) -> float:
+    """``value`` as a fraction in [0, 1]. Raises TypeError (not a number) or
+    ValueError (out of range) naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number between 0 and 1; got {value!r}")
+    result = float(value)
+    if not 0 <= result <= 1:  # NaN too
+        raise ValueError(f"{name} must be between 0 and 1; got {value!r}")
+    return result
 
 
 def unknown_keys(config: object = None, prefix: str = "shm") -> list[str]:
@@ -100,14 +156,9 @@ def spill_recycle_bytes() -> int:
     """
     raw = dask.config.get("shm.spill-recycle-bytes", default=DEFAULTS["shm"]["spill-recycle-bytes"])
     try:
-        if isinstance(raw, bool):
-            raise TypeError
-        value = parse_bytes(raw)
-        if value < 0:
-            raise ValueError
+        return byte_size(raw, "shm.spill-recycle-bytes")
     except (TypeError, ValueError):
         raise invalid("shm.spill-recycle-bytes", raw) from None
-    return int(value)
 
 
 def default_disk_root(temporary_directory: str) -> str:
@@ -170,20 +221,14 @@ class SharedMemorySettings:
             raise invalid("shm.shared-memory.root", root)
         raw_min_size = get("min-size")
         try:
-            if isinstance(raw_min_size, bool):
-                raise TypeError
-            min_size = parse_bytes(raw_min_size)  # type: ignore[arg-type]
-            if min_size < 0:
-                raise ValueError
+            min_size = byte_size(raw_min_size, "shm.shared-memory.min-size")
         except (TypeError, ValueError):
             raise invalid("shm.shared-memory.min-size", raw_min_size) from None
-        fraction = get("min-shared-fraction")
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, (int, float))
-            or not 0 <= fraction <= 1
-        ):
-            raise invalid("shm.shared-memory.min-shared-fraction", fraction)
+        raw_fraction = get("min-shared-fraction")
+        try:
+            min_shared_fraction = fraction(raw_fraction, "shm.shared-memory.min-shared-fraction")
+        except (TypeError, ValueError):
+            raise invalid("shm.shared-memory.min-shared-fraction", raw_fraction) from None
         raw_max = get("max-bytes")
         max_bytes: int | float | None
         if raw_max is None or raw_max == "auto":
@@ -192,11 +237,9 @@ class SharedMemorySettings:
             max_bytes = raw_max
         else:
             try:
-                if isinstance(raw_max, (bool, float)):
-                    raise TypeError
-                max_bytes = int(parse_bytes(raw_max))  # type: ignore[arg-type]
-                if max_bytes < 0:
-                    raise ValueError
+                if isinstance(raw_max, float):
+                    raise TypeError  # a float is a fraction, and this one is out of range
+                max_bytes = byte_size(raw_max, "shm.shared-memory.max-bytes")
             except (TypeError, ValueError):
                 raise invalid("shm.shared-memory.max-bytes", raw_max) from None
         disk_root = get("disk-root")
@@ -205,4 +248,4 @@ class SharedMemorySettings:
             disk_root = default_disk_root(base)
         if not isinstance(disk_root, str) or not os.path.isabs(disk_root):
             raise invalid("shm.shared-memory.disk-root", disk_root)
-        return cls(enabled, root, int(min_size), float(fraction), max_bytes, disk_root)
+        return cls(enabled, root, min_size, min_shared_fraction, max_bytes, disk_root)

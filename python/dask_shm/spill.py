@@ -16,6 +16,7 @@ from distributed.sizeof import safe_sizeof
 from distributed.spill import SpilledSize
 
 from dask_shm._core import SpillFileError
+from dask_shm.config import byte_size, spill_limit
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, SpillStore
 
 # Stock's logger, messages and rate limits (distributed.spill installs its
@@ -80,9 +81,11 @@ class SpillBuffer(zict.Buffer[Key, object]):
     spill_directory:
         Directory for the spill files (created with mode 0700).
     target:
-        Bytes of managed memory above which the least recently used values spill.
+        Bytes of managed memory above which the least recently used values spill:
+        an int or a string such as ``"1GiB"`` (``dask.utils.parse_bytes``).
     max_spill:
-        Limit on the bytes held on disk, or False for no limit.
+        Limit on the bytes held on disk (an int or a string such as ``"10GiB"``),
+        or False for no limit.
     memmap:
         Unspill through a private (copy-on-write) memory mapping of the file
         instead of reading it into a new buffer: numpy, pyarrow and
@@ -93,7 +96,8 @@ class SpillBuffer(zict.Buffer[Key, object]):
         (``SharedSpillBuffer.from_config(target)`` replaces the former
         ``SpillBuffer(None, target, shared=True)``).
 
-    Raises TypeError for ``shared=True``.
+    Raises TypeError for ``shared=True``; TypeError or ValueError naming the
+    parameter for a ``target`` or ``max_spill`` that is not a byte size >= 0.
     """
 
     logged_pickle_errors: set[Key]
@@ -103,12 +107,14 @@ class SpillBuffer(zict.Buffer[Key, object]):
     def __init__(
         self,
         spill_directory: str | None,
-        target: int,
-        max_spill: int | Literal[False] = False,
+        target: int | str,
+        max_spill: int | str | Literal[False] = False,
         *,
         memmap: bool = False,
         shared: bool = False,
     ):
+        target = byte_size(target, "target")
+        max_spill = spill_limit(max_spill, "max_spill")
         if shared:
             raise TypeError(
                 "SpillBuffer(shared=True) is now dask_shm.shared.SharedSpillBuffer: use "

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import dask.config
 from dask.system import CPU_COUNT
 from dask.typing import Key
-from dask.utils import parse_bytes
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.worker_memory import parse_memory_limit
 
+from dask_shm.config import spill_limit
 from dask_shm.spill import SpillBuffer
 
 if TYPE_CHECKING:
@@ -36,10 +36,8 @@ logger = logging.getLogger(__name__)
 
 def _max_spill_from_config() -> int | Literal[False]:
     max_spill = dask.config.get("distributed.worker.memory.max-spill")
-    if max_spill is False:
-        return False
     try:
-        return parse_bytes(max_spill)
+        return spill_limit(max_spill, "distributed.worker.memory.max-spill")
     except (TypeError, ValueError) as e:
         raise ValueError(
             "distributed.worker.memory.max-spill must be False or a byte size such as "

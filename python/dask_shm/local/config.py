@@ -51,7 +51,9 @@ from typing import Any, cast
 
 import dask.config
 import psutil
-from dask.utils import parse_bytes, parse_timedelta
+from dask.utils import parse_timedelta
+
+from dask_shm.config import byte_size
 
 PREFIX = "shm.local"
 _DEFAULT_THRESHOLD = 64 * 1024
@@ -67,11 +69,7 @@ def parse_size(value: object, key: str) -> int:
     Raises ValueError naming ``key`` and the accepted values.
     """
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = parse_bytes(value) if isinstance(value, str) else int(value)  # type: ignore[call-overload]
-        if isinstance(value, float) and value != n:
-            raise TypeError
+        n = byte_size(value, key)
     except (TypeError, ValueError):
         n = 0
     if n <= 0:

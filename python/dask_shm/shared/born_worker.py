@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import dask.config
-from dask.utils import parse_bytes
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_shm import _core
+from dask_shm.config import byte_size
 from dask_shm.shared import born, paths
 from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, own_bytes
 
@@ -113,9 +113,7 @@ class BornSettings:
 def _bytes(name: str, default: Any, minimum: int) -> int:
     raw = dask.config.get(f"shm.shared-memory.{name}", default=default)
     try:
-        if isinstance(raw, bool):
-            raise TypeError
-        value = parse_bytes(raw) if isinstance(raw, str) else int(raw)
+        value = byte_size(raw, f"shm.shared-memory.{name}")
         if value < minimum:
             raise ValueError
     except (TypeError, ValueError):
@@ -195,39 +193,54 @@ class BornSharedPlugin(WorkerPlugin):
     so they are added back) until a store adopts them, and so do freed blocks
     the arena keeps for reuse (``cached_bytes``).
 
-    Raises ValueError at setup for an invalid config value.
+    After setup, :attr:`state` says in a phrase whether it is on and why
+    not; it is logged at INFO unless ``announce`` is False
+    (:class:`~dask_shm.shared.plugin.SharedMemoryPlugin` puts it in its own
+    line instead). Raises ValueError at setup for an invalid config value.
     """
 
     name = "dask-shm-born-shared"
     idempotent = True
 
-    def __init__(self, settings: BornSettings | None = None):
+    #: What setup did, e.g. "arrays born shared off: ..." (None before setup).
+    state: str | None = None
+
+    def __init__(self, settings: BornSettings | None = None, *, announce: bool = True):
         self.settings = settings
+        self.announce = announce
+
+    def _report(self, worker: Worker, state: str) -> None:
+        self.state = state
+        if self.announce:
+            logger.info("dask-shm: %s: %s", worker.address, state)
 
     def setup(self, worker: Worker) -> None:
         from dask_shm.shared.buffer import SharedSpillBuffer
 
         settings = self.settings or BornSettings.from_config()
         if id(worker) in _installed:
-            return  # already on (e.g. SharedMemoryPlugin turned it on from config)
+            # already on (e.g. SharedMemoryPlugin turned it on from config)
+            self.state = "arrays born shared on"
+            return
         buffer = worker.data
         if not isinstance(buffer, SharedSpillBuffer):
-            logger.info("dask-shm: arrays born shared need shared-memory mode; off")
+            self._report(worker, "arrays born shared need shared-memory mode; off")
             return
         root = buffer.store.root
         if not settings.enabled_for(root):
-            logger.info(
-                "dask-shm: arrays born shared stay off: %s serves no huge pages, and "
+            self._report(
+                worker,
+                f"arrays born shared off: {root} serves no huge pages, and "
                 "arrays made for peers or spilled would fault fresh 4 KiB tmpfs pages "
                 "in, slower than ordinary memory (mount the root with "
                 "huge=within_size, or set shm.shared-memory.born-shared: true)",
-                root,
             )
             return
         try:
             _core.born_handler()
         except (RuntimeError, ImportError) as e:
-            logger.warning("dask-shm: arrays born shared need numpy >= 1.22 (%s); off", e)
+            self.state = f"arrays born shared off: they need numpy >= 1.22 ({e})"
+            logger.warning("dask-shm: %s", self.state)
             return
         self._directory = paths.subdir(root, f"born-{uuid.uuid4().hex[:12]}")
         budget = settings.budget_for(root, worker.memory_manager.memory_limit)
@@ -256,11 +269,8 @@ class BornSharedPlugin(WorkerPlugin):
             return released if released else evict_key()
 
         buffer.evict = evict  # type: ignore[method-assign]
-        logger.info(
-            "dask-shm: arrays of %s bytes or more born shared on %s (%s)",
-            settings.threshold,
-            worker.address,
-            self._directory,
+        self._report(
+            worker, f"arrays of {settings.threshold} bytes or more born shared ({self._directory})"
         )
 
     def teardown(self, worker: Worker) -> None:

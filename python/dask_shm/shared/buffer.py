@@ -41,6 +41,7 @@ from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm._core import ForgedHandleError, read_peer_file
+from dask_shm.config import byte_size, fraction, spill_limit
 from dask_shm.shared import limits, paths
 from dask_shm.shared.charged_lru import TmpfsChargedLRU
 from dask_shm.shared.guard import ensure_value
@@ -117,20 +118,30 @@ class SharedSpillBuffer(SpillBuffer):
     @classmethod
     def create(
         cls,
-        target: int,
+        target: int | str,
         *,
         root: str,
         disk_root: str,
-        budget: int,
-        min_size: int,
+        budget: int | str,
+        min_size: int | str,
         min_shared_fraction: float,
-        max_spill: int | Literal[False] = False,
+        max_spill: int | str | Literal[False] = False,
         name: str | None = None,
     ) -> SharedSpillBuffer:
         """A buffer whose files live in ``<root>/dask-shm-<uid>/<process>/<name>``
         (tier 2, at most ``budget`` bytes) and the same path under
-        ``disk_root`` (tier 3). Raises :class:`~dask_shm.shared.paths.UnusableRoot`
-        if ``root`` is not a usable tmpfs, OSError if a directory cannot be made."""
+        ``disk_root`` (tier 3). ``target``, ``budget``, ``min_size`` and
+        ``max_spill`` are byte sizes (an int or a string such as ``"1GiB"``;
+        ``max_spill`` may be False), ``min_shared_fraction`` is in [0, 1].
+
+        Raises TypeError or ValueError naming the parameter for a bad value,
+        :class:`~dask_shm.shared.paths.UnusableRoot` if ``root`` is not a
+        usable tmpfs, OSError if a directory cannot be made."""
+        target = byte_size(target, "target")
+        budget = byte_size(budget, "budget")
+        min_size = byte_size(min_size, "min_size")
+        min_shared_fraction = fraction(min_shared_fraction, "min_shared_fraction")
+        max_spill = spill_limit(max_spill, "max_spill")
         paths.check_root(root)
         name = name or f"buffer-{uuid.uuid4().hex[:12]}"
         store = SharedSpillStore(
@@ -150,8 +161,8 @@ class SharedSpillBuffer(SpillBuffer):
     @classmethod
     def from_config(
         cls,
-        target: int,
-        max_spill: int | Literal[False] = False,
+        target: int | str,
+        max_spill: int | str | Literal[False] = False,
         *,
         memory_limit: int | None = None,
         name: str | None = None,

@@ -8,6 +8,7 @@ import sys
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from dask.utils import format_bytes
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from dask_shm.config import SharedMemorySettings
@@ -120,15 +121,18 @@ class SharedMemoryPlugin(WorkerPlugin):
         monitor.install_worker_monitor(worker, buffer)
         metrics.install(worker)
         # After the monitor: born-shared bytes are added on top of it.
-        self._born = born_worker.BornSharedPlugin(born_settings)
+        self._born = born_worker.BornSharedPlugin(born_settings, announce=False)
         self._born.setup(worker)
+        # The worker's one INFO line about dask-shm: everything set up above.
         logger.info(
-            "dask-shm: shared-memory mode on %s (tier 2 %s, budget %d MiB = %s; tier 3 %s)",
+            "dask-shm: shared-memory mode on %s: root %s, budget %s (%s); tier 2 %s, tier 3 %s; %s",
             worker.address,
-            buffer.store.directory,
-            budget.limit >> 20,
+            root,
+            format_bytes(budget.limit),
             budget.reason,
+            buffer.store.directory,
             buffer.store.tiers.disk.directory,
+            self._born.state,
         )
 
     def teardown(self, worker: Worker) -> None:
@@ -231,6 +235,9 @@ def reclaim_dead_processes(root: str | None, disk_root: str) -> int:
             continue
         try:
             freed += paths.reclaim(where, peers=peers).bytes
-        except (OSError, paths.UnusableRoot) as e:
+        except paths.UnusableRoot as e:
+            # The worker's buffer meets the same root and warns, naming the fix.
+            logger.debug("dask-shm: cannot remove dead processes' files under %s: %s", where, e)
+        except OSError as e:
             logger.info("dask-shm: cannot remove dead processes' files under %s: %s", where, e)
     return freed

@@ -6,7 +6,8 @@
   and the spilling it caused (:attr:`Span.spill_metrics`);
 - :func:`install_scheduler_extension`, :func:`install_worker_extension`: put them in
   a running scheduler / worker; :class:`SpansSchedulerPlugin`,
-  :class:`SpansWorkerPlugin` and the ``dask_shm.spans.plugins`` preload do it for you;
+  :class:`SpansWorkerPlugin` and the preload (``--preload dask_shm.spans`` on
+  ``dask scheduler`` / ``dask worker``, :func:`dask_setup`) do it for you;
 - :func:`span_memory`: per-span memory and spilling as a pandas DataFrame, from a
   client;
 - :func:`span`: the stock context manager, re-exported.
@@ -17,7 +18,7 @@ from __future__ import annotations
 from distributed.spans import span
 
 from dask_shm.spans.client import span_memory
-from dask_shm.spans.plugins import SpansSchedulerPlugin, SpansWorkerPlugin
+from dask_shm.spans.plugins import SpansSchedulerPlugin, SpansWorkerPlugin, dask_setup
 from dask_shm.spans.scheduler import SpansSchedulerExtension, install_scheduler_extension
 from dask_shm.spans.span import Span, SpanMemory
 from dask_shm.spans.worker import SpansWorkerExtension, install_worker_extension
@@ -29,6 +30,7 @@ __all__ = [
     "SpansSchedulerPlugin",
     "SpansWorkerExtension",
     "SpansWorkerPlugin",
+    "dask_setup",
     "install_scheduler_extension",
     "install_worker_extension",
     "span",

@@ -58,8 +58,17 @@ def span_memory(client: Client, *, own: bool = False) -> Any:
         ``client`` is not a ``distributed.Client`` or ``own`` is not a bool.
     RuntimeError
         The scheduler does not run the dask-shm spans extension.
+    ImportError
+        pandas is not installed (the ``spans`` extra installs it).
     """
     from distributed import Client
+
+    try:
+        import pandas  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "dask_shm.spans.span_memory needs pandas: pip install 'dask-shm[spans]'"
+        ) from e
 
     if not isinstance(client, Client):
         raise TypeError(f"span_memory needs a distributed.Client; got {client!r}")

@@ -2,9 +2,10 @@
 
 - ``client.register_plugin(SpansSchedulerPlugin())`` and
   ``client.register_plugin(SpansWorkerPlugin())`` (workers started later get it too);
-- ``--preload dask_shm.spans.plugins`` on ``dask scheduler`` / ``dask worker`` (or the
-  ``distributed.scheduler.preload`` / ``distributed.worker.preload`` config): calls
-  :func:`dask_setup`;
+- ``--preload dask_shm.spans`` (or ``dask_shm.spans.plugins``) on ``dask scheduler`` /
+  ``dask worker`` (or the ``distributed.scheduler.preload`` /
+  ``distributed.worker.preload`` config): calls :func:`dask_setup`, which
+  ``dask_shm.spans`` re-exports so that distributed's preload finds it there;
 - or pass the classes at construction: ``Scheduler(extensions={**DEFAULT_EXTENSIONS,
   "spans": SpansSchedulerExtension})``, likewise for workers.
 

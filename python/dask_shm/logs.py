@@ -1,0 +1,70 @@
+"""dask-shm's loggers shown like distributed's own.
+
+``distributed.config.initialize_logging`` gives only the loggers named in the
+``logging`` config (``distributed`` at INFO by default) a stderr handler with
+``distributed.admin.log-format``; any other logger falls through to Python's
+last-resort handler (WARNING and above, message only). :func:`initialize_logging`
+gives the ``dask_shm`` logger the same treatment, at the level the config
+gives ``distributed``, so that a worker's "shared-memory mode on ..." line
+sits among distributed's lines, in their format.
+
+It follows distributed's "old-style" rules and nothing else: a config that
+names ``dask_shm`` itself is left to distributed (which configures it when
+imported, and would otherwise add a second handler); a ``logging`` config in
+``logging.config`` form (``version: 1``) or a ``logging-file-config`` governs
+every logger, ours included; and if the root logger already has handlers
+(an application or pytest configured logging) only the level is set and
+records propagate to them, as distributed's do.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import dask.config
+
+LOGGER_NAME = "dask_shm"
+#: distributed.yaml's ``distributed.admin.log-format``, for a process that has
+#: not imported distributed (whose defaults then are not in dask's config).
+DEFAULT_FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
+_done = False
+
+
+def _logging_config() -> dict:
+    """Where distributed looks: ``distributed.logging*`` first, else top level."""
+    config = dask.config.config
+    keys = {"logging-file-config", "logging"}
+    distributed = config.get("distributed", {})
+    if isinstance(distributed, dict) and keys & distributed.keys():
+        return distributed
+    return config
+
+
+def initialize_logging() -> None:
+    """Configure the ``dask_shm`` logger as distributed configures its own
+    (see the module docstring). Idempotent; never raises on a bad level (the
+    logger is then left alone, as distributed fails on it itself)."""
+    global _done
+    if _done:
+        return
+    _done = True
+    base = _logging_config()
+    levels = base.get("logging", {})
+    if "logging-file-config" in base or not isinstance(levels, dict) or "version" in levels:
+        return
+    if any(name.replace("-", "_") == LOGGER_NAME for name in levels):
+        return
+    raw = levels.get("distributed", "info")
+    level = logging.getLevelName(raw.upper()) if isinstance(raw, str) else raw
+    if not isinstance(level, int):
+        return
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.setLevel(level)
+    if logging.getLogger().handlers or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    log_format = dask.config.get("distributed.admin.log-format", default=DEFAULT_FORMAT)
+    handler.setFormatter(logging.Formatter(log_format))
+    logger.addHandler(handler)
+    logger.propagate = False
