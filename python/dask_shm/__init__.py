@@ -34,18 +34,14 @@ from dask_shm._core import __version__ as __version__
 from dask_shm.config import load_defaults
 from dask_shm.logs import initialize_logging
 
-# PyO3 names the extension's exceptions' module "_core", which nothing can
-# import: pickled (a task's error, a peer's reply) they would reach another
-# process as a look-alike class that `except SpillFileError` does not catch.
-for _exception in (SpillFileError, ForgedHandleError):
-    _exception.__module__ = "dask_shm._core"
-
 load_defaults()
 initialize_logging()
-# The Rust module names its exception ``_core.SpillFileError``: a module that
-# cannot be imported under that name, so the exception would neither print as
-# users import it nor unpickle (e.g. on a client, from a worker).
-SpillFileError.__module__ = __name__
+# PyO3 names the extension's exceptions' module "_core", which nothing can
+# import: they would print as ``_core.SpillFileError`` and, pickled (a task's
+# error, a peer's reply), reach another process as a look-alike class that
+# `except SpillFileError` does not catch. Both are attributes of this package.
+for _exception in (SpillFileError, ForgedHandleError):
+    _exception.__module__ = __name__
 
 if TYPE_CHECKING:
     from distributed.spill import SpilledSize
