@@ -197,8 +197,17 @@ class SharedSpillBuffer(SpillBuffer):
     def tier2_bytes(self) -> int:
         """Bytes of this buffer's tmpfs files that count for this worker (1/k
         of a file with k links), mapped or not: what it adds to the worker's
-        memory beyond its private pages."""
+        memory beyond its private pages. O(1): a counter kept as files come
+        and go, with link counts as of the last :meth:`refresh_links`."""
         return self.store.tiers.tier2_bytes()
+
+    def refresh_links(self) -> int:
+        """Correct the link counts behind :meth:`tier2_bytes` that other
+        processes changed (a peer dropped or added a link): O(shared files),
+        the GIL released. A worker's share publisher does this every few
+        seconds; direct users call it when they need the figure current.
+        Returns how many counts changed."""
+        return self.store.tiers.refresh_links()
 
     def shared_bytes(self, key: Key) -> int:
         """Bytes of ``key``'s shared file that count for this worker (1/k of
