@@ -15,9 +15,9 @@ import pytest
 from clusters import process_cluster, worker_addresses
 from distributed import Client, Worker, wait
 
-from dask_shm import SharedMemoryNannyPlugin, SharedMemoryPlugin
+from dask_shm import SharedMemoryNannyPlugin, SharedMemoryPlugin, _core
 from dask_shm.procmem import process_memory
-from dask_shm.shared import SharedSpillBuffer, transfer
+from dask_shm.shared import SharedSpillBuffer, dirty, transfer
 from dask_shm.shared.published_share import read_published_share
 
 KIB = 2**10
@@ -79,6 +79,12 @@ def test_held_values_beyond_the_map_bound_go_back_to_their_files(root):
     buf[f"k{n - 40}"]
     buf["k0"]
     assert f"k{n - 40}" in buf.store.retained and f"k{n - 39}" not in buf.store.retained
+    # the store's record of its mappings (what the written-in-place check
+    # reads instead of /proc/self/maps) agrees with the kernel's
+    st = os.stat(buf.store.path(f"k{n - 1}"))
+    ranges = _core.mapped_ranges(st.st_dev, st.st_ino)
+    assert len(ranges) == 1
+    assert ranges == dirty.mapped_ranges(st.st_ino, st.st_dev)
     for i in range(n):
         np.testing.assert_array_equal(buf[f"k{i}"], make_value(i))
     buf.close()

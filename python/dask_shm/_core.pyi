@@ -328,6 +328,11 @@ def read_peer_file(
 def live_mappings() -> int:
     """Number of spill-file mappings (``MappedFile``) alive in this process."""
 
+def mapped_ranges(device: int, inode: int) -> list[tuple[int, int]]:
+    """``(start, end)`` addresses of this process's live ``MappedFile``
+    mappings of the file ``(device, inode)``: O(1) in the number of other
+    mappings (unlike reading ``/proc/self/maps``)."""
+
 def is_ram_backed(path: str | PathLike[str]) -> bool:
     """Whether ``path`` lies on a RAM-backed file system (tmpfs, ramfs or
     hugetlbfs, by ``statfs`` magic number): dask-shm's one rule for "this is
