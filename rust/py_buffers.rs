@@ -143,9 +143,12 @@ static LIVE_MAPPINGS: AtomicUsize = AtomicUsize::new(0);
 /// `(start, length)` of every live `MappedFile`, by `(device, inode)` of its
 /// file: what `/proc/self/maps` would say about the spill files this
 /// process mapped, in O(1) instead of O(mappings).
-static MAPPED_RANGES: Mutex<Option<HashMap<(u64, u64), Vec<(usize, usize)>>>> = Mutex::new(None);
+static MAPPED_RANGES: Mutex<Option<RangesByFile>> = Mutex::new(None);
 
-fn mapped_ranges_table() -> MutexGuard<'static, Option<HashMap<(u64, u64), Vec<(usize, usize)>>>> {
+/// `(device, inode)` -> `(start, length)` of each live mapping of that file.
+type RangesByFile = HashMap<(u64, u64), Vec<(usize, usize)>>;
+
+fn mapped_ranges_table() -> MutexGuard<'static, Option<RangesByFile>> {
     // Each update is a few operations on the map; poisoning cannot leave it torn.
     MAPPED_RANGES.lock().unwrap_or_else(|p| p.into_inner())
 }
