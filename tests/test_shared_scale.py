@@ -4,6 +4,7 @@ files on /dev/shm)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ from distributed import Client, Worker, wait
 from dask_shm import SharedMemoryNannyPlugin, SharedMemoryPlugin, _core
 from dask_shm.procmem import process_memory
 from dask_shm.shared import SharedSpillBuffer, dirty, transfer
-from dask_shm.shared.published_share import read_published_share
+from dask_shm.shared.published_share import SharePublisher, read_published_share
 
 KIB = 2**10
 MB = 2**20
@@ -255,3 +256,60 @@ def test_the_nannys_check_reads_one_published_number(shared_cluster, monkeypatch
     assert counting.entries <= 64, counting.entries
     assert counting.entries < files // 10
     del values, firsts
+
+
+def test_a_published_share_that_cannot_be_read_counts_nothing(shm_dir):
+    """The nanny sums the numbers a worker process's buffers publish; a
+    missing, empty or garbled file counts 0 and never raises."""
+    base = os.path.join(shm_dir, f"dask-shm-{os.geteuid()}")
+    pid = 4242
+    assert read_published_share(shm_dir, pid) == 0  # no user directory yet
+    one = os.path.join(base, f"p-{pid}-100-aaaa")
+    two = os.path.join(base, f"p-{pid}-200-bbbb")
+    other = os.path.join(base, f"p-{pid}1-100-cccc")  # pid 42421, not ours
+    for d in (one, two, other):
+        os.makedirs(d)
+    for directory, name, text in [
+        (one, "w-1.share", "1000"),
+        (one, "w-2.share", "24"),
+        (one, "w-3.share", "garbled"),
+        (two, "w-4.share", ""),
+        (two, "w-5.share", "7"),
+        (other, "w-6.share", "99999"),
+        (one, "w-7", "5"),  # a buffer's directory name, not a published share
+    ]:
+        with open(os.path.join(directory, name), "w") as f:
+            f.write(text)
+    assert read_published_share(shm_dir, pid) == 1031
+
+
+def test_the_publisher_follows_the_share_and_refreshes_link_counts(shm_dir):
+    share = [5]
+    refreshes: list[float] = []
+    path = os.path.join(shm_dir, "w.share")
+    publisher = SharePublisher(
+        path,
+        lambda: share[0],
+        lambda: refreshes.append(time.monotonic()),
+        interval=0.01,
+        refresh_interval=0.2,
+    )
+    publisher.start()
+
+    def published() -> str:
+        with open(path) as f:
+            return f.read()
+
+    assert published() == "5"  # at once
+    share[0] = 123_456
+    deadline = time.monotonic() + 5
+    while published() != "123456":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    while len(refreshes) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # rate-limited: never closer than refresh_interval
+    assert min(b - a for a, b in itertools.pairwise(refreshes)) >= 0.19
+    publisher.stop()
+    assert not os.path.exists(path)
