@@ -313,3 +313,17 @@ def test_the_publisher_follows_the_share_and_refreshes_link_counts(shm_dir):
     assert min(b - a for a, b in itertools.pairwise(refreshes)) >= 0.19
     publisher.stop()
     assert not os.path.exists(path)
+
+
+def test_the_publisher_ends_with_its_worker(shm_dir):
+    """Once ``alive()`` is false (its worker closed) the thread ends and
+    removes the file, even if nobody calls ``stop``."""
+    alive = [True]
+    path = os.path.join(shm_dir, "w.share")
+    publisher = SharePublisher(path, lambda: 1, lambda: None, interval=0.01, alive=lambda: alive[0])
+    publisher.start()
+    assert os.path.exists(path)
+    alive[0] = False
+    publisher._thread.join(timeout=5)
+    assert not publisher._thread.is_alive()
+    assert not os.path.exists(path)

@@ -48,6 +48,10 @@ def private_process_memory() -> int:
     return process_memory().private
 
 
+#: a worker in one of these states publishes nothing more (its publisher
+#: ends even when no plugin teardown uninstalls it)
+_CLOSED = frozenset({Status.closing, Status.closed, Status.failed})
+
 #: the share publisher of each worker with a monitor installed
 _publishers: weakref.WeakKeyDictionary[Worker, SharePublisher] = weakref.WeakKeyDictionary()
 
@@ -63,8 +67,14 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
 
     worker.monitor.get_process_memory = worker_memory  # type: ignore[method-assign]
     tiers = buffer.store.tiers
+    worker_ref = weakref.ref(worker)
+
+    def alive() -> bool:
+        w = worker_ref()
+        return w is not None and w.status not in _CLOSED
+
     publisher = SharePublisher(
-        share_path(buffer.store.directory), tiers.tier2_bytes, tiers.refresh_links
+        share_path(buffer.store.directory), tiers.tier2_bytes, tiers.refresh_links, alive=alive
     )
     publisher.start()
     _publishers[worker] = publisher

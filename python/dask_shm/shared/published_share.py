@@ -83,8 +83,8 @@ class SharePublisher:
     changes (checked every ``interval`` seconds) and calls ``refresh()``
     (the link-count correction, O(shared files), expected to release the
     GIL) at most every ``refresh_interval`` seconds and at most
-    1/:data:`REFRESH_DUTY` of the time. :meth:`stop` ends it and removes
-    the file."""
+    1/:data:`REFRESH_DUTY` of the time. It ends, removing the file, on
+    :meth:`stop` or once ``alive()`` is false (its worker closed)."""
 
     def __init__(
         self,
@@ -94,10 +94,12 @@ class SharePublisher:
         *,
         interval: float = 0.1,
         refresh_interval: float = 2.0,
+        alive: Callable[[], bool] = lambda: True,
     ):
         self.path = path
         self._share = share
         self._refresh = refresh
+        self._alive = alive
         self.interval = interval
         self.refresh_interval = refresh_interval
         self._stop = threading.Event()
@@ -129,8 +131,14 @@ class SharePublisher:
         self._published = value
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._remove_files()
+
+    def _loop(self) -> None:
         next_refresh = time.monotonic() + self.refresh_interval
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(self.interval) and self._alive():
             try:
                 now = time.monotonic()
                 if now >= next_refresh:
@@ -147,6 +155,9 @@ class SharePublisher:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        self._remove_files()
+
+    def _remove_files(self) -> None:
         for path in (self.path, f"{self.path}.tmp"):
             try:
                 os.unlink(path)
