@@ -6,6 +6,14 @@
 //! threads spill at once. A reservation is taken before a file is written and
 //! either committed (the file exists) or released (the write failed), so two
 //! concurrent writers can never both pass the check and overshoot the limit.
+//!
+//! Hard links: a file with k links counts `disk / k` for each holder, so
+//! that holders' totals add up to the bytes the host uses. The ledger keeps
+//! the last known link count of every shared entry and the running sum of
+//! those shares (`split_disk`), updated on commit, link, unlink and removal:
+//! the split total is O(1), whatever the number of entries. Link counts that
+//! other processes change (a peer dropping its link) are corrected by the
+//! store's `refresh_links`, which stats the shared files.
 
 use std::collections::{HashMap, HashSet};
 
@@ -24,8 +32,11 @@ pub struct Ledger {
     total: Sizes,
     reserved_disk: u64,
     /// Entries whose file may have other hard links (handed to or received
-    /// from a peer); their disk size is shared among the links.
-    shared: HashSet<String>,
+    /// from a peer), with their last known link count (at least 1); their
+    /// disk size is shared among the links.
+    shared: HashMap<String, u64>,
+    /// Sum over entries of `disk / links` (links = 1 for unshared entries).
+    split_disk: u64,
     /// Entries whose file has been memory-mapped: a mapping may outlive the
     /// entry, so their file must never be overwritten (recycled).
     pinned: HashSet<String>,
@@ -63,12 +74,13 @@ impl Ledger {
     pub fn commit(&mut self, name: &str, sizes: Sizes) {
         self.reserved_disk -= sizes.disk;
         if let Some(old) = self.entries.insert(name.to_owned(), sizes) {
-            self.shared.remove(name);
+            let links = self.shared.remove(name).unwrap_or(1);
             self.pinned.remove(name);
-            self.subtract(old);
+            self.subtract(old, links);
         }
         self.total.memory += sizes.memory;
         self.total.disk += sizes.disk;
+        self.split_disk += sizes.disk;
     }
 
     pub fn remove(&mut self, name: &str) -> Option<Sizes> {
@@ -79,10 +91,10 @@ impl Ledger {
     /// file through us: never shared, never mapped, no read in progress.
     pub fn remove_entry(&mut self, name: &str) -> Option<(Sizes, bool)> {
         let sizes = self.entries.remove(name)?;
-        let shared = self.shared.remove(name);
+        let links = self.shared.remove(name);
         let pinned = self.pinned.remove(name);
-        let private = !shared && !pinned && !self.readers.contains_key(name);
-        self.subtract(sizes);
+        let private = links.is_none() && !pinned && !self.readers.contains_key(name);
+        self.subtract(sizes, links.unwrap_or(1));
         Some((sizes, private))
     }
 
@@ -116,31 +128,61 @@ impl Ledger {
         }
     }
 
-    fn subtract(&mut self, sizes: Sizes) {
+    fn subtract(&mut self, sizes: Sizes, links: u64) {
         self.total.memory -= sizes.memory;
         self.total.disk -= sizes.disk;
+        self.split_disk -= sizes.disk / links;
     }
 
-    /// Record that the entry's file may have other hard links. Returns false
-    /// for an unknown name.
-    pub fn mark_shared(&mut self, name: &str) -> bool {
-        if !self.entries.contains_key(name) {
+    /// Record that the entry's file may have other hard links and that it
+    /// has `links` of them now (0 is taken as 1). Returns false for an
+    /// unknown name. O(1).
+    pub fn mark_shared(&mut self, name: &str, links: u64) -> bool {
+        let Some(sizes) = self.entries.get(name) else {
             return false;
-        }
-        self.shared.insert(name.to_owned());
+        };
+        let links = links.max(1);
+        let old = self.shared.insert(name.to_owned(), links).unwrap_or(1);
+        self.split_disk = self.split_disk - sizes.disk / old + sizes.disk / links;
         true
     }
 
-    pub fn is_shared(&self, name: &str) -> bool {
-        self.shared.contains(name)
+    /// Update the link count of an entry that is still shared (one that was
+    /// removed meanwhile is left alone). Returns whether it changed.
+    pub fn update_links(&mut self, name: &str, links: u64) -> bool {
+        match self.shared.get(name) {
+            Some(&old) if old != links.max(1) => self.mark_shared(name, links),
+            _ => false,
+        }
     }
 
-    /// The shared entries with their sizes.
-    pub fn shared_entries(&self) -> Vec<(String, Sizes)> {
-        self.shared
-            .iter()
-            .map(|n| (n.clone(), self.entries[n]))
-            .collect()
+    pub fn is_shared(&self, name: &str) -> bool {
+        self.shared.contains_key(name)
+    }
+
+    /// Last known link count of an entry (1 if it was never shared), None
+    /// for an unknown name.
+    pub fn links(&self, name: &str) -> Option<u64> {
+        self.entries.get(name)?;
+        Some(self.shared.get(name).copied().unwrap_or(1))
+    }
+
+    /// Names of the shared entries (whose link counts may change behind our back).
+    pub fn shared_names(&self) -> Vec<String> {
+        self.shared.keys().cloned().collect()
+    }
+
+    pub fn shared_len(&self) -> usize {
+        self.shared.len()
+    }
+
+    /// Totals with the disk size of each shared entry divided by its last
+    /// known link count. O(1).
+    pub fn split_total(&self) -> Sizes {
+        Sizes {
+            memory: self.total.memory,
+            disk: self.split_disk,
+        }
     }
 
     /// Change the memory size accounted for an entry. Returns false for an
@@ -241,7 +283,7 @@ mod tests {
             ledger.try_reserve(1, None);
             ledger.commit(name, one);
         }
-        assert!(ledger.mark_shared("shared"));
+        assert!(ledger.mark_shared("shared", 2));
         assert!(ledger.pin("pinned"));
         assert!(!ledger.pin("unknown"));
         assert!(!ledger.begin_read("unknown"));
@@ -258,6 +300,61 @@ mod tests {
         ledger.end_read("read");
         assert!(ledger.readers.is_empty());
         assert_eq!(ledger.total(), Sizes::default());
+    }
+
+    #[test]
+    fn split_total_follows_links_without_looking_at_files() {
+        let mut ledger = Ledger::new();
+        let commit = |l: &mut Ledger, name: &str, disk: u64| {
+            l.try_reserve(disk, None);
+            l.commit(name, Sizes { memory: 1, disk });
+        };
+        commit(&mut ledger, "a", 1200);
+        commit(&mut ledger, "b", 600);
+        assert_eq!(
+            ledger.split_total(),
+            Sizes {
+                memory: 2,
+                disk: 1800
+            }
+        );
+        assert_eq!(ledger.links("a"), Some(1));
+        // handed out: 2 links, then a peer adopts: 3
+        assert!(ledger.mark_shared("a", 2));
+        assert_eq!(ledger.split_total().disk, 600 + 600);
+        assert!(ledger.update_links("a", 3));
+        assert_eq!(ledger.split_total().disk, 400 + 600);
+        assert!(!ledger.update_links("a", 3), "unchanged");
+        assert!(!ledger.update_links("b", 5), "never shared: left alone");
+        assert!(!ledger.mark_shared("unknown", 2));
+        assert_eq!(ledger.links("unknown"), None);
+        // 0 links (the file vanished) counts as 1
+        assert!(ledger.update_links("a", 0));
+        assert_eq!(ledger.split_total().disk, 1200 + 600);
+        assert!(ledger.update_links("a", 4));
+        assert_eq!(ledger.shared_names(), vec!["a".to_owned()]);
+        // removal takes away the share it had, replacement the old one
+        assert_eq!(ledger.remove("a").unwrap().disk, 1200);
+        assert_eq!(
+            ledger.split_total(),
+            Sizes {
+                memory: 1,
+                disk: 600
+            }
+        );
+        assert!(ledger.mark_shared("b", 3));
+        commit(&mut ledger, "b", 90);
+        assert_eq!(
+            ledger.split_total(),
+            Sizes {
+                memory: 1,
+                disk: 90
+            }
+        );
+        assert!(!ledger.is_shared("b"));
+        ledger.remove("b");
+        assert_eq!(ledger.split_total(), Sizes::default());
+        assert_eq!(ledger.shared_len(), 0);
     }
 
     #[test]

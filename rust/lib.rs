@@ -50,6 +50,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?)?;
     m.add_function(wrap_pyfunction!(py_store::read_peer_file, m)?)?;
     m.add_function(wrap_pyfunction!(py_buffers::live_mappings, m)?)?;
+    m.add_function(wrap_pyfunction!(py_buffers::mapped_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(py_fs::is_ram_backed, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_configure, m)?)?;
     m.add_function(wrap_pyfunction!(born_py::born_handler, m)?)?;

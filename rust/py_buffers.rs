@@ -1,9 +1,12 @@
 //! Borrowing raw bytes out of Python buffer objects, and exporting a memory
 //! mapping as a Python buffer.
 
+use std::collections::HashMap;
 use std::ffi::c_int;
+use std::os::unix::fs::MetadataExt;
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use memmap2::MmapMut;
 use pyo3::exceptions::PyBufferError;
@@ -129,23 +132,79 @@ pub unsafe fn export_bytes(
 pub struct MappedFile {
     map: MmapMut,
     path: String,
+    /// `(device, inode)` of the file when it was mapped, if it could be seen.
+    file_id: Option<(u64, u64)>,
 }
 
 /// Number of `MappedFile`s alive in this process (each is one kernel mapping,
 /// counted against vm.max_map_count).
 static LIVE_MAPPINGS: AtomicUsize = AtomicUsize::new(0);
 
+/// `(start, length)` of every live `MappedFile`, by `(device, inode)` of its
+/// file: what `/proc/self/maps` would say about the spill files this
+/// process mapped, in O(1) instead of O(mappings).
+static MAPPED_RANGES: Mutex<Option<RangesByFile>> = Mutex::new(None);
+
+/// `(device, inode)` -> `(start, length)` of each live mapping of that file.
+type RangesByFile = HashMap<(u64, u64), Vec<(usize, usize)>>;
+
+fn mapped_ranges_table() -> MutexGuard<'static, Option<RangesByFile>> {
+    // Each update is a few operations on the map; poisoning cannot leave it torn.
+    MAPPED_RANGES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl MappedFile {
+    /// Wrap a mapping of the file at `path` (just opened and mapped: its
+    /// device and inode are read from that path now).
     pub fn new(map: MmapMut, path: String) -> MappedFile {
         LIVE_MAPPINGS.fetch_add(1, Ordering::Relaxed);
-        MappedFile { map, path }
+        let file_id = std::fs::symlink_metadata(&path)
+            .ok()
+            .map(|m| (m.dev(), m.ino()));
+        if let Some(id) = file_id {
+            mapped_ranges_table()
+                .get_or_insert_with(HashMap::new)
+                .entry(id)
+                .or_default()
+                .push((map.as_ptr() as usize, map.len()));
+        }
+        MappedFile { map, path, file_id }
     }
 }
 
 impl Drop for MappedFile {
     fn drop(&mut self) {
         LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
+        if let Some(id) = self.file_id {
+            let start = self.map.as_ptr() as usize;
+            let mut table = mapped_ranges_table();
+            if let Some(ranges) = table.as_mut().and_then(|t| t.get_mut(&id)) {
+                ranges.retain(|&(s, _)| s != start);
+                if ranges.is_empty() {
+                    table.as_mut().map(|t| t.remove(&id));
+                }
+            }
+        }
     }
+}
+
+/// `(start, end)` addresses of this process's live spill-file mappings
+/// (`MappedFile`s) of the file `(device, inode)`, whole pages as the kernel
+/// maps them; O(its mappings).
+#[pyfunction]
+pub fn mapped_ranges(device: u64, inode: u64) -> Vec<(usize, usize)> {
+    mapped_ranges_table()
+        .as_ref()
+        .and_then(|t| t.get(&(device, inode)))
+        .map(|ranges| {
+            // The kernel maps whole pages: the last partial page is mapped too.
+            let page = crate::fs::page_size();
+            ranges
+                .iter()
+                .map(|&(s, l)| (s, s + l.div_ceil(page) * page))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Number of spill-file mappings alive in this process.
@@ -188,4 +247,40 @@ impl MappedFile {
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memmap2::MmapOptions;
+
+    #[test]
+    fn mapped_ranges_follow_live_mappings() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("f");
+        std::fs::write(&path, vec![7u8; 3 * 4096 - 100]).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        let id = (meta.dev(), meta.ino());
+        let map = || {
+            let file = std::fs::File::open(&path).unwrap();
+            unsafe { MmapOptions::new().map_copy(&file).unwrap() }
+        };
+        let path_str = path.to_string_lossy().into_owned();
+        let a = MappedFile::new(map(), path_str.clone());
+        let b = MappedFile::new(map(), path_str);
+        let start = |m: &MappedFile| m.map.as_ptr() as usize;
+        let mut ranges = mapped_ranges(id.0, id.1);
+        ranges.sort();
+        let mut want = vec![
+            (start(&a), start(&a) + 3 * 4096),
+            (start(&b), start(&b) + 3 * 4096),
+        ];
+        want.sort();
+        assert_eq!(ranges, want);
+        drop(a);
+        assert_eq!(mapped_ranges(id.0, id.1).len(), 1);
+        drop(b);
+        assert!(mapped_ranges(id.0, id.1).is_empty());
+        assert!(mapped_ranges(id.0, id.1 + 1).is_empty());
+    }
 }

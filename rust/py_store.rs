@@ -249,7 +249,20 @@ impl FileStore {
             .ok_or_else(|| PyKeyError::new_err(name.to_owned()))
     }
 
-    /// `(memory, disk)` summed over all entries.
+    /// Correct the link counts of shared entries (one lstat each, the GIL
+    /// released); returns how many changed.
+    fn refresh_links(&self, py: Python<'_>) -> usize {
+        let store = Arc::clone(&self.inner);
+        py.detach(|| store.refresh_links())
+    }
+
+    /// Number of shared entries (what `refresh_links` stats).
+    fn shared_len(&self) -> usize {
+        self.inner.shared_len()
+    }
+
+    /// `(memory, disk)` summed over all entries, the disk size of a shared
+    /// file divided by its last known link count. O(1).
     fn total(&self) -> (u64, u64) {
         let t = self.inner.total();
         (t.memory, t.disk)

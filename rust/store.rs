@@ -444,10 +444,11 @@ impl FileStore {
         let disk = peer.layout.file_size;
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let name = self.link_new_name(stem, n, |dest| peer.link_to(dest))?;
+        let links = self.links_on_disk(&name);
         let mut ledger = self.ledger();
         ledger.try_reserve(disk, None);
         ledger.commit(&name, Sizes { memory, disk });
-        ledger.mark_shared(&name);
+        ledger.mark_shared(&name, links);
         Ok((name, disk))
     }
 
@@ -459,7 +460,8 @@ impl FileStore {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let dest = dir.join(format!("{}-{n}", std::process::id()));
         fs::hard_link(self.path_of(name), &dest)?;
-        self.ledger().mark_shared(name);
+        let links = self.links_on_disk(name);
+        self.ledger().mark_shared(name, links);
         Ok(dest)
     }
 
@@ -468,22 +470,47 @@ impl FileStore {
         self.ledger().set_memory(name, memory)
     }
 
-    /// Number of hard links of an entry's file (1 unless shared).
+    /// Number of hard links of an entry's file (1 unless shared); also
+    /// corrects the count the ledger knows for a shared entry.
     pub fn link_count(&self, name: &str) -> Result<u64, StoreError> {
         self.check_known(name)?;
-        Ok(fs::symlink_metadata(self.path_of(name))?.nlink())
+        let links = fs::symlink_metadata(self.path_of(name))?.nlink();
+        self.ledger().update_links(name, links);
+        Ok(links)
     }
 
-    /// Disk size split among the hard links of a shared file: each of k
-    /// holders accounts 1/k, so totals over the host add up to the bytes used.
-    fn split(&self, name: &str, sizes: Sizes) -> Sizes {
-        let links = fs::symlink_metadata(self.path_of(name))
+    /// Hard links of the file of `name` now (1 if it cannot be seen: a
+    /// vanished file counts whole, as it did before).
+    fn links_on_disk(&self, name: &str) -> u64 {
+        fs::symlink_metadata(self.path_of(name))
             .map(|m| m.nlink().max(1))
-            .unwrap_or(1);
-        Sizes {
-            memory: sizes.memory,
-            disk: sizes.disk / links,
-        }
+            .unwrap_or(1)
+    }
+
+    /// Correct the link counts of the shared entries, which other processes
+    /// change (a peer adopting or dropping its link, an outgoing link
+    /// deleted): one `lstat` per shared entry, done without holding the
+    /// ledger's lock, so it may run on any thread while the store is used.
+    /// Returns how many counts changed. O(shared entries): callers run it off
+    /// the event loop and rate-limit it.
+    pub fn refresh_links(&self) -> usize {
+        let names = self.ledger().shared_names();
+        let seen: Vec<(String, u64)> = names
+            .into_iter()
+            .map(|name| {
+                let links = self.links_on_disk(&name);
+                (name, links)
+            })
+            .collect();
+        let mut ledger = self.ledger();
+        seen.into_iter()
+            .filter(|(name, links)| ledger.update_links(name, *links))
+            .count()
+    }
+
+    /// Entries whose link counts `refresh_links` checks.
+    pub fn shared_len(&self) -> usize {
+        self.ledger().shared_len()
     }
 
     fn check_known(&self, name: &str) -> Result<(), StoreError> {
@@ -607,29 +634,22 @@ impl FileStore {
         self.pool_or_delete(&self.path_of(name), true)
     }
 
-    /// Accounted sizes of one entry (disk split among hard links if shared).
+    /// Accounted sizes of one entry (disk split among its last known number
+    /// of hard links, see `refresh_links`).
     pub fn sizes(&self, name: &str) -> Option<Sizes> {
-        let (sizes, shared) = {
-            let ledger = self.ledger();
-            (ledger.get(name)?, ledger.is_shared(name))
-        };
-        Some(if shared {
-            self.split(name, sizes)
-        } else {
-            sizes
+        let ledger = self.ledger();
+        let sizes = ledger.get(name)?;
+        let links = ledger.links(name)?;
+        Some(Sizes {
+            memory: sizes.memory,
+            disk: sizes.disk / links,
         })
     }
 
-    /// Sizes summed over all entries (disk of shared files split among links).
+    /// Sizes summed over all entries (disk of shared files split among their
+    /// last known number of links). O(1): kept by the ledger.
     pub fn total(&self) -> Sizes {
-        let (mut total, shared) = {
-            let ledger = self.ledger();
-            (ledger.total(), ledger.shared_entries())
-        };
-        for (name, sizes) in shared {
-            total.disk -= sizes.disk - self.split(&name, sizes).disk;
-        }
-        total
+        self.ledger().split_total()
     }
 
     pub fn len(&self) -> usize {
@@ -703,6 +723,48 @@ mod tests {
         assert_eq!(&map[layout.frames[1].0 as usize..][..3], &[1, 1, 1]);
         // Only the published file was ever visible: no temporaries remain.
         assert_eq!(fs::read_dir(store.directory()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn totals_split_shared_files_and_refresh_corrects_link_counts() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = FileStore::open(tmp.path().join("s")).unwrap();
+        let out = tmp.path().join("out");
+        prepare_directory(&out).unwrap();
+        let (a, disk) = stored(store.put("a", &[&[1u8; 4000]], 10, None).unwrap());
+        let (b, _) = stored(store.put("b", &[&[2u8; 4000]], 10, None).unwrap());
+        assert_eq!(
+            store.total(),
+            Sizes {
+                memory: 20,
+                disk: 2 * disk
+            }
+        );
+        // handed out: the store sees the second link at once
+        let handle = store.link_out(&a, &out).unwrap();
+        assert_eq!(store.total().disk, disk / 2 + disk);
+        assert_eq!(store.sizes(&a).unwrap().disk, disk / 2);
+        // a peer links it too and the handle goes: invisible until a refresh
+        let peer = out.join("peer");
+        fs::hard_link(store.path_of(&a), &peer).unwrap();
+        fs::remove_file(&handle).unwrap();
+        assert_eq!(store.total().disk, disk / 2 + disk);
+        assert_eq!(store.shared_len(), 1);
+        assert_eq!(store.refresh_links(), 0, "still 2 links");
+        fs::remove_file(&peer).unwrap();
+        assert_eq!(store.refresh_links(), 1);
+        assert_eq!(store.total().disk, 2 * disk);
+        // link_count corrects it as well
+        fs::hard_link(store.path_of(&a), &peer).unwrap();
+        fs::hard_link(store.path_of(&a), out.join("third")).unwrap();
+        assert_eq!(store.link_count(&a).unwrap(), 3);
+        assert_eq!(store.total().disk, disk / 3 + disk);
+        // an unshared entry is never stat'ed, a removed one leaves no trace
+        fs::hard_link(store.path_of(&b), out.join("b")).unwrap();
+        assert_eq!(store.refresh_links(), 0);
+        store.remove(&a).unwrap();
+        assert_eq!(store.total(), Sizes { memory: 10, disk });
+        assert_eq!(store.shared_len(), 0);
     }
 
     #[test]
@@ -841,13 +903,17 @@ mod tests {
         let (adopted, adopted_disk) = b.adopt(&peer, "k", 5000).unwrap();
         assert_eq!(adopted_disk, disk);
         fs::remove_file(&handle).unwrap();
-        // two holders: each accounts half, and the host total is the file once
+        // two holders: each accounts half, and the host total is the file
+        // once (the handle's removal is seen once link counts are refreshed)
         assert_eq!(a.link_count(&name).unwrap(), 2);
+        assert_eq!(b.refresh_links(), 1);
         assert_eq!(a.total().disk + b.total().disk, disk);
         assert_eq!(b.sizes(&adopted).unwrap().disk, disk / 2);
         assert!(b.set_memory(&adopted, 10));
         assert_eq!(b.total().memory, 10);
         a.remove(&name).unwrap();
+        assert_eq!(b.total().disk, disk / 2);
+        b.refresh_links();
         assert_eq!(b.total().disk, disk);
         assert_eq!(read_back(&b, &adopted), vec![vec![1u8; 1000]]);
     }

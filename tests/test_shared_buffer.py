@@ -171,9 +171,14 @@ def test_export_and_adopt_share_one_inode_and_split_accounting(root):
     assert os.stat(s_path).st_ino == os.stat(r_path).st_ino
     assert os.stat(s_path).st_nlink == 2
     size = os.path.getsize(s_path)
+    # the handle's link is gone: seen once link counts are refreshed (a
+    # worker's share publisher does it every few seconds)
+    assert receiver.refresh_links() == 1
+    assert sender.refresh_links() == 0  # 2 since its hand-out: its own and the handle
     assert sender.spilled_total.disk + receiver.spilled_total.disk == size
     assert receiver.shm_counters["received_links"] == 1
     del sender["x"]
+    receiver.refresh_links()
     assert receiver.spilled_total.disk == size
     np.testing.assert_array_equal(receiver["x"], np.arange(MB // 8, dtype=float))
 

@@ -86,9 +86,18 @@ class FileStore:
         """Forget an entry and delete (or, recycling, pool) its file;
         ``(memory, disk)`` it had, or None."""
     def sizes(self, name: str) -> tuple[int, int]:
-        """``(memory, disk)`` of one entry; KeyError if unknown."""
+        """``(memory, disk)`` of one entry (disk divided by its last known
+        link count); KeyError if unknown."""
     def total(self) -> tuple[int, int]:
-        """``(memory, disk)`` summed over all entries."""
+        """``(memory, disk)`` summed over all entries, the disk size of a
+        shared file divided by its last known link count (see
+        :meth:`refresh_links`). O(1): no file is looked at."""
+    def refresh_links(self) -> int:
+        """Correct the link counts of shared entries, which other processes
+        change (one ``lstat`` each, the GIL released: O(shared entries), for a
+        background thread). Returns how many changed."""
+    def shared_len(self) -> int:
+        """Number of shared entries (what :meth:`refresh_links` looks at)."""
     def adopt(
         self,
         root: str | PathLike[str],
@@ -109,7 +118,8 @@ class FileStore:
     def set_memory(self, name: str, memory: int) -> None:
         """Change the memory size accounted for an entry; KeyError if unknown."""
     def link_count(self, name: str) -> int:
-        """Number of hard links of an entry's file."""
+        """Number of hard links of an entry's file (also corrects the count
+        :meth:`total` uses for it)."""
     def path(self, name: str) -> str: ...
     def names(self) -> list[str]: ...
     def __len__(self) -> int: ...
@@ -317,6 +327,11 @@ def read_peer_file(
 
 def live_mappings() -> int:
     """Number of spill-file mappings (``MappedFile``) alive in this process."""
+
+def mapped_ranges(device: int, inode: int) -> list[tuple[int, int]]:
+    """``(start, end)`` addresses of this process's live ``MappedFile``
+    mappings of the file ``(device, inode)``: O(1) in the number of other
+    mappings (unlike reading ``/proc/self/maps``)."""
 
 def is_ram_backed(path: str | PathLike[str]) -> bool:
     """Whether ``path`` lies on a RAM-backed file system (tmpfs, ramfs or

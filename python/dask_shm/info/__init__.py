@@ -13,7 +13,8 @@ Problems are warnings: nothing here changes the system, and the command exits
 Checked: the shared-memory root (``shm.shared-memory.root``, default
 ``/dev/shm``) exists, is on a tmpfs, is writable and has room; the per-user
 directory under it (``dask-shm-<uid>``) is safe if it exists; the open-files
-limit and ``vm.max_map_count`` against what a worker of this host would need;
+limit against what a worker of this host would need and ``vm.max_map_count``
+against what a worker could map (held values and born-shared blocks);
 the platform (shared memory needs Linux); the ``shm`` config validates; and,
 given a scheduler address, which workers have the shared-memory plugin
 installed; and the bytes that dead processes' directories (left by a

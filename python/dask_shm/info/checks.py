@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from dask.utils import format_bytes
 
 from dask_shm.info.facts import PLUGIN_NAME, HostInfo
-from dask_shm.shared.store import map_budget
+from dask_shm.shared.store import mapped_values_bound
 
 #: Below this soft RLIMIT_NOFILE a warning is given.
 MIN_OPEN_FILES = 4096
@@ -63,17 +63,33 @@ def _shareable_bytes(info: HostInfo) -> int | None:
     return min(sizes) if sizes else None
 
 
+class MapBudget(NamedTuple):
+    """The mappings a worker may hold, by kind; their sum stays well below
+    ``vm.max_map_count`` (the rest is the interpreter's and libraries')."""
+
+    #: values held in memory through a mapping of their file
+    #: (:func:`~dask_shm.shared.store.mapped_values_bound`)
+    values: int
+    #: born-shared blocks (:func:`dask_shm.shared.born.default_max_blocks`)
+    blocks: int
+
+    @property
+    def total(self) -> int:
+        return self.values + self.blocks
+
+
+def worker_map_budget(max_map_count: int) -> MapBudget:
+    """What one worker process could map under ``max_map_count``."""
+    return MapBudget(mapped_values_bound(max_map_count), max_map_count // 4)
+
+
 def expected_mappings(info: HostInfo) -> int | None:
     """Mappings a worker would need to hold all the shared memory this host
-    has in values of :data:`TYPICAL_VALUE_BYTES` (None if unknown). The stock
-    limit of 65530 is fine for hosts up to about 32 GiB of tmpfs."""
+    has in values of :data:`TYPICAL_VALUE_BYTES` mapped at once (None if
+    unknown); beyond :func:`worker_map_budget`'s ``values`` the least recently
+    used are mapped again when used."""
     shareable = _shareable_bytes(info)
     return None if shareable is None else -(-shareable // TYPICAL_VALUE_BYTES)
-
-
-def _round_up(n: int) -> int:
-    """``n`` rounded up to a multiple of 65536 (sysctl values people recognise)."""
-    return -(-n // 65536) * 65536
 
 
 def _config_key(message: str) -> str | None:
@@ -196,23 +212,18 @@ def find_problems(info: HostInfo) -> list[Problem]:
             )
         )
 
-    expected = expected_mappings(info)
-    if info.max_map_count is not None and expected is not None:
-        budget = map_budget(info.max_map_count)
-        if budget < expected:
-            # Enough for the expected mappings within the budget, plus the default.
-            wanted = _round_up(
-                info.max_map_count * expected // max(budget, 1) + DEFAULT_MAX_MAP_COUNT
-            )
+    if info.max_map_count is not None:
+        budget = worker_map_budget(info.max_map_count)
+        if budget.values < mapped_values_bound(DEFAULT_MAX_MAP_COUNT):
             add(
                 Problem(
-                    f"vm.max_map_count is {info.max_map_count}: a worker maps at most "
-                    f"{budget:,} shared values (half of it) and then reads by copy, but one "
-                    f"holding the {format_bytes(_shareable_bytes(info) or 0)} this host can "
-                    f"share in values of {format_bytes(TYPICAL_VALUE_BYTES)} would map "
-                    f"{expected:,}",
-                    f"`sysctl -w vm.max_map_count={wanted}` as root (persist it in "
-                    "/etc/sysctl.d/); nothing breaks without it, reads only get slower",
+                    f"vm.max_map_count is {info.max_map_count}, below the kernel's default of "
+                    f"{DEFAULT_MAX_MAP_COUNT}: a worker keeps at most {budget.values:,} shared "
+                    f"values mapped (an eighth of it) and maps the others again each time they "
+                    f"are used, and holds at most {budget.blocks:,} born-shared blocks",
+                    f"`sysctl -w vm.max_map_count={DEFAULT_MAX_MAP_COUNT}` or more as root "
+                    "(persist it in /etc/sysctl.d/); nothing breaks without it, reads only "
+                    "get slower",
                     "max-map-count",
                 )
             )

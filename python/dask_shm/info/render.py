@@ -8,9 +8,8 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from dask_shm.info.checks import TYPICAL_VALUE_BYTES, expected_mappings
+from dask_shm.info.checks import TYPICAL_VALUE_BYTES, expected_mappings, worker_map_budget
 from dask_shm.info.facts import HostInfo
-from dask_shm.shared.store import map_budget
 
 
 def _bytes(value: int | None) -> str:
@@ -95,12 +94,19 @@ def format_info(info: HostInfo) -> str:
         nofile = f"soft {soft}, hard {hard}"
     max_map = "unknown" if info.max_map_count is None else str(info.max_map_count)
     expected = expected_mappings(info)
-    if info.max_map_count is not None and expected is not None:
+    if info.max_map_count is not None:
+        budget = worker_map_budget(info.max_map_count)
         max_map += (
-            f" (a worker maps up to {map_budget(info.max_map_count):,} shared values; "
-            f"all of this host's shared memory in {format_bytes(TYPICAL_VALUE_BYTES)} values "
-            f"would be {expected:,})"
+            f" (a worker maps at most {budget.total:,}: {budget.values:,} held values, "
+            f"the least recently used beyond that are mapped again on use, and "
+            f"{budget.blocks:,} born-shared blocks"
         )
+        if expected is not None:
+            max_map += (
+                f"; all of this host's shared memory in {format_bytes(TYPICAL_VALUE_BYTES)} "
+                f"values is {expected:,}"
+            )
+        max_map += ")"
     limit_rows = [("open files (RLIMIT_NOFILE)", nofile), ("vm.max_map_count", max_map)]
     if info.limits is not None:
         cg = info.limits["cgroup"]

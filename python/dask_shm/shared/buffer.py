@@ -46,8 +46,8 @@ from dask_shm.shared import limits, paths
 from dask_shm.shared.charged_lru import TmpfsChargedLRU
 from dask_shm.shared.guard import ensure_value
 from dask_shm.shared.payload import read_tracking_mapping
-from dask_shm.shared.store import Handle, SharedSpillStore
-from dask_shm.spill import SpillBuffer
+from dask_shm.shared.store import Handle, SharedSpillStore, mapped_values_bound
+from dask_shm.spill import SpillBuffer, _Handled
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, file_stem, frames_to_object
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,10 @@ class SharedSpillBuffer(SpillBuffer):
       rest to a real file system (tier 3), see :mod:`dask_shm.shared.tiers`;
       tier-2 bytes are RAM and count against ``target`` (up to half of it)
       before the values in memory do;
+    - at most ``max_mapped`` values are held through a mapping of their file
+      (each mapping counts against ``vm.max_map_count``); beyond that the least
+      recently used ones go back to their files, which writes nothing, and
+      are mapped again when next used;
     - :meth:`export` hands a key's file to a same-host peer; :meth:`receive`
       takes a peer's file in (one validated hard link, owned by this buffer
       from then on: released when the value is dropped unstored, or on close).
@@ -94,8 +98,14 @@ class SharedSpillBuffer(SpillBuffer):
     #: Shared-memory mode (for code that tells the two buffers apart).
     shared = True
 
-    def __init__(self, store: SharedSpillStore, target: int):
+    def __init__(self, store: SharedSpillStore, target: int, *, max_mapped: int | None = None):
         self._init_state(store.cumulative_metrics)
+        #: most values held in memory through a mapping of their file
+        #: (default: :func:`~dask_shm.shared.store.mapped_values_bound`); may
+        #: be changed at any time, it applies from the next insertion or use
+        self.max_mapped = mapped_values_bound() if max_mapped is None else max_mapped
+        #: mapped values sent back to their files to stay within ``max_mapped``
+        self.unmapped = 0
         #: transfers by hard link and their fallbacks
         self.shm_counters: defaultdict[str, int] = defaultdict(int)
         self._arrivals: dict[str, list[_Arrival]] = {}
@@ -127,12 +137,15 @@ class SharedSpillBuffer(SpillBuffer):
         min_shared_fraction: float,
         max_spill: int | str | Literal[False] = False,
         name: str | None = None,
+        max_mapped: int | None = None,
     ) -> SharedSpillBuffer:
         """A buffer whose files live in ``<root>/dask-shm-<uid>/<process>/<name>``
         (tier 2, at most ``budget`` bytes) and the same path under
-        ``disk_root`` (tier 3). ``target``, ``budget``, ``min_size`` and
-        ``max_spill`` are byte sizes (an int or a string such as ``"1GiB"``;
-        ``max_spill`` may be False), ``min_shared_fraction`` is in [0, 1].
+        ``disk_root`` (tier 3), holding at most ``max_mapped`` values through
+        mappings (default: :func:`~dask_shm.shared.store.mapped_values_bound`).
+        ``target``, ``budget``, ``min_size`` and ``max_spill`` are byte sizes
+        (an int or a string such as ``"1GiB"``; ``max_spill`` may be False),
+        ``min_shared_fraction`` is in [0, 1].
 
         Raises TypeError or ValueError naming the parameter for a bad value,
         :class:`~dask_shm.shared.paths.UnusableRoot` if ``root`` is not a
@@ -156,7 +169,7 @@ class SharedSpillBuffer(SpillBuffer):
             min_shared_fraction=min_shared_fraction,
             metrics=defaultdict(float),
         )
-        return cls(store, target)
+        return cls(store, target, max_mapped=max_mapped)
 
     @classmethod
     def from_config(
@@ -196,8 +209,17 @@ class SharedSpillBuffer(SpillBuffer):
     def tier2_bytes(self) -> int:
         """Bytes of this buffer's tmpfs files that count for this worker (1/k
         of a file with k links), mapped or not: what it adds to the worker's
-        memory beyond its private pages."""
+        memory beyond its private pages. O(1): a counter kept as files come
+        and go, with link counts as of the last :meth:`refresh_links`."""
         return self.store.tiers.tier2_bytes()
+
+    def refresh_links(self) -> int:
+        """Correct the link counts behind :meth:`tier2_bytes` that other
+        processes changed (a peer dropped or added a link): O(shared files),
+        the GIL released. A worker's share publisher does this every few
+        seconds; direct users call it when they need the figure current.
+        Returns how many counts changed."""
+        return self.store.tiers.refresh_links()
 
     def shared_bytes(self, key: Key) -> int:
         """Bytes of ``key``'s shared file that count for this worker (1/k of
@@ -233,6 +255,36 @@ class SharedSpillBuffer(SpillBuffer):
         ensure_value(key, value)
         super().__setitem__(key, value)
 
+    def __getitem__(self, key: Key) -> object:
+        with self._operation_lock:
+            value = super().__getitem__(key)
+            self.store.touch_retained(key)
+            try:
+                self._unmap_over_bound(key)
+            except (MaxSpillExceeded, PickleError, OSError) as e:
+                # A value written in place since it was mapped had to be
+                # written out and could not be: it stays in memory (logged).
+                try:
+                    self._handle(e, None)
+                except _Handled:
+                    pass
+            return value
+
+    def _unmap_over_bound(self, keep: Key) -> None:
+        """Send the least recently used mapped values back to their files
+        until at most ``max_mapped`` remain (``keep`` stays). Eviction of a
+        retained value writes nothing: its file is still there."""
+        retained = self.store.retained
+        while len(retained) > self.max_mapped:
+            victim = next((k for k in retained if k != keep), None)
+            if victim is None or victim not in self.fast.d:
+                # Not in memory (cannot happen while consistent): stop, bounded anyway.
+                return
+            evicted, _, _ = self.fast.evict(victim)
+            if evicted is None or victim in retained:
+                return  # cancelled by another thread, or written out instead
+            self.unmapped += 1
+
     def _insert(self, key: Key, value: object) -> None:
         store = self.store
         arrival = self._claim(key, value)
@@ -246,6 +298,9 @@ class SharedSpillBuffer(SpillBuffer):
                 self.shm_counters["received_links"] += 1
                 self.shm_counters["received_bytes"] += arrival.size
         zict.Buffer.__setitem__(self, key, value)
+        if arrival is not None:
+            with self._operation_lock:
+                self._unmap_over_bound(key)
 
     def __delitem__(self, key: Key) -> None:
         with self._operation_lock:

@@ -6,9 +6,12 @@ pages it wrote; the file keeps the old bytes. Evicting the value by keeping
 the file (writing nothing) would then silently revert the write, and handing
 the file to a peer would send the old value. :func:`written_in_place` tells.
 
-How, cheaply: ``/proc/self/maps`` gives the address ranges of this process's
-mappings of the file's inode, and ``/proc/self/pagemap`` one 64-bit entry per
-page of them. A page the process wrote is no longer the file's page but an
+How, cheaply: :func:`dask_shm._core.mapped_ranges` gives the address ranges
+of this process's spill-file mappings (``MappedFile``, what every retained
+value lives in) of the file's inode, kept as mappings come and go (reading
+``/proc/self/maps`` instead would cost O(mappings) per check: milliseconds
+for a worker holding thousands of values), and ``/proc/self/pagemap`` one
+64-bit entry per page of them. A page the process wrote is no longer the file's page but an
 anonymous copy: present (bit 63) or swapped (bit 62) without the "file page"
 flag (bit 61). Nothing has to be reset or armed beforehand (unlike soft-dirty
 bits, which ``/proc/self/clear_refs`` clears for the whole process), nothing
@@ -26,13 +29,16 @@ import os
 
 import numpy as np
 
+from dask_shm import _core
+
 _PRESENT = np.uint64(1 << 63)
 _SWAPPED = np.uint64(1 << 62)
 _FILE_PAGE = np.uint64(1 << 61)
 
 
 def mapped_ranges(inode: int, device: int, maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
-    """``(start, end)`` addresses of this process's mappings of one inode."""
+    """``(start, end)`` addresses of all of this process's mappings of one
+    inode, from ``/proc/self/maps`` (O(mappings); for diagnostics)."""
     dev = f"{os.major(device):02x}:{os.minor(device):02x}"
     ranges = []
     with open(maps, encoding="ascii", errors="replace") as f:
@@ -45,12 +51,12 @@ def mapped_ranges(inode: int, device: int, maps: str = "/proc/self/maps") -> lis
 
 
 def written_in_place(path: str) -> bool:
-    """Whether any page of this process's mappings of the file at ``path``
-    was written by this process (True too when it cannot be told; False
-    when the file is not mapped at all)."""
+    """Whether any page of this process's spill-file mappings of the file at
+    ``path`` was written by this process (True too when it cannot be told;
+    False when the file is not mapped at all)."""
     try:
         st = os.stat(path)
-        ranges = mapped_ranges(st.st_ino, st.st_dev)
+        ranges = _core.mapped_ranges(st.st_dev, st.st_ino)
         if not ranges:
             return False
         fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)

@@ -15,20 +15,25 @@ the spill, pause and terminate thresholds behave as in stock.
   process/unmanaged memory the worker reports all follow;
 - on the nanny, the periodic ``memory_monitor`` that restarts a worker above
   ``distributed.worker.memory.terminate`` is replaced by one reading the
-  same figure from outside (:func:`tmpfs_share` of the worker's process
-  directory under the root).
+  same figure from outside: the worker's private memory, plus the share its
+  buffers publish (:mod:`dask_shm.shared.published_share`; one small file
+  per buffer, so the nanny's event loop never lists or stats the files).
+
+Both are O(1) in the number of files: the share is a counter kept by the
+Rust ledger (:meth:`dask_shm._core.FileStore.total`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import weakref
 from typing import TYPE_CHECKING
 
 from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
 
 from dask_shm.procmem import process_memory
+from dask_shm.shared.published_share import SharePublisher, read_published_share, share_path
 
 if TYPE_CHECKING:
     from distributed import Nanny, Worker
@@ -43,46 +48,43 @@ def private_process_memory() -> int:
     return process_memory().private
 
 
-def tmpfs_share(root: str, pid: int) -> int:
-    """Bytes of tmpfs files under the directories of process ``pid`` in
-    ``root``'s per-user directory, each file counted ``size / links``; 0 if
-    there are none."""
-    base = os.path.join(root, f"dask-shm-{os.geteuid()}")
-    total = 0
-    try:
-        entries = [e for e in os.scandir(base) if e.name.startswith(f"p-{pid}-")]
-    except OSError:
-        return 0
-    stack = [e.path for e in entries]
-    while stack:
-        try:
-            it = os.scandir(stack.pop())
-        except OSError:
-            continue
-        with it:
-            for e in it:
-                try:
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append(e.path)
-                    elif e.is_file(follow_symlinks=False):
-                        st = e.stat(follow_symlinks=False)
-                        total += st.st_size // max(st.st_nlink, 1)
-                except OSError:
-                    continue
-    return total
+#: a worker in one of these states publishes nothing more (its publisher
+#: ends even when no plugin teardown uninstalls it)
+_CLOSED = frozenset({Status.closing, Status.closed, Status.failed})
+
+#: the share publisher of each worker with a monitor installed
+_publishers: weakref.WeakKeyDictionary[Worker, SharePublisher] = weakref.WeakKeyDictionary()
 
 
 def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
-    """Worker memory = private memory + ``buffer``'s tier-2 share."""
+    """Worker memory = private memory + ``buffer``'s tier-2 share; the share
+    is also published for the nanny, and the link counts behind it kept
+    current, by a :class:`~dask_shm.shared.published_share.SharePublisher`
+    thread."""
 
     def worker_memory() -> int:
         return private_process_memory() + buffer.tier2_bytes()
 
     worker.monitor.get_process_memory = worker_memory  # type: ignore[method-assign]
+    tiers = buffer.store.tiers
+    worker_ref = weakref.ref(worker)
+
+    def alive() -> bool:
+        w = worker_ref()
+        return w is not None and w.status not in _CLOSED
+
+    publisher = SharePublisher(
+        share_path(buffer.store.directory), tiers.tier2_bytes, tiers.refresh_links, alive=alive
+    )
+    publisher.start()
+    _publishers[worker] = publisher
 
 
 def uninstall_worker_monitor(worker: Worker) -> None:
     worker.monitor.__dict__.pop("get_process_memory", None)
+    publisher = _publishers.pop(worker, None)
+    if publisher is not None:
+        publisher.stop()
 
 
 class _PrivateMemoryTerminator:
@@ -95,6 +97,15 @@ class _PrivateMemoryTerminator:
         self.root = root
         self.last_terminated_pid = -1
 
+    def memory(self, pid: int) -> int:
+        """Private memory of worker process ``pid`` plus the share of tmpfs
+        files it publishes; O(1) in its number of files. Raises
+        ProcessLookupError if it is gone."""
+        memory = process_memory(pid).private
+        if self.root is not None:
+            memory += read_published_share(self.root, pid)
+        return memory
+
     def __call__(self) -> None:
         nanny = self.nanny
         manager = nanny.memory_manager
@@ -105,11 +116,9 @@ class _PrivateMemoryTerminator:
         if not limit or fraction is False:
             return
         try:
-            memory = process_memory(process.pid).private
+            memory = self.memory(process.pid)
         except ProcessLookupError:
             return
-        if self.root is not None:
-            memory += tmpfs_share(self.root, process.pid)
         if memory / limit <= fraction:
             return
         if self.last_terminated_pid != process.pid:

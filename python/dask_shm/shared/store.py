@@ -55,6 +55,17 @@ def map_budget(max_maps: int | None = None) -> int:
     return (max_map_count() if max_maps is None else max_maps) // 2
 
 
+def mapped_values_bound(max_maps: int | None = None) -> int:
+    """Values a shared buffer keeps in memory through a mapping of their
+    file, at most: an eighth of ``max_maps`` (default:
+    :func:`max_map_count`; 8,191 for the kernel's default), so that a worker
+    stays far below the limit with room for born-shared blocks (a quarter,
+    see :mod:`dask_shm.shared.born`), the interpreter and libraries. Beyond
+    it the least recently used mapped values go back to their files, which
+    writes nothing (see :class:`~dask_shm.shared.buffer.SharedSpillBuffer`)."""
+    return max((max_map_count() if max_maps is None else max_maps) // 8, 1)
+
+
 @dataclass
 class Retained:
     """A key whose value is in memory, backed by its still-existing file."""
@@ -126,7 +137,7 @@ class SharedSpillStore(SpillStore):
         self.min_shared_fraction = min_shared_fraction
         #: file name -> shareable bytes, for files worth sharing
         self.shareable: dict[str, int] = {}
-        #: keys in memory whose file is kept
+        #: keys in memory whose file is kept, least recently used first
         self.retained: dict[Key, Retained] = {}
         #: private values read back and still referenced elsewhere
         self._private_cache: weakref.WeakValueDictionary[Key, object] = (
@@ -270,6 +281,13 @@ class SharedSpillStore(SpillStore):
         self._register(key, r.name)
         self.tiers.unpin(r.name)
         return True
+
+    def touch_retained(self, key: Key) -> None:
+        """``key`` was used: if retained, it becomes the most recently used
+        (:attr:`retained` is kept in order of use, least recent first)."""
+        r = self.retained.pop(key, None)
+        if r is not None:
+            self.retained[key] = r
 
     def discard_retained(self, key: Key) -> None:
         """Delete the file kept for ``key``, if any (its value left memory or

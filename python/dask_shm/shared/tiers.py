@@ -129,8 +129,15 @@ class TieredFiles:
 
     def tier2_bytes(self) -> int:
         """Bytes of tier-2 files that count for this store (1/k of a file
-        with k hard links): what this worker holds in the tmpfs."""
+        with k hard links): what this worker holds in the tmpfs. O(1); link
+        counts that peers changed are seen after :meth:`refresh_links`."""
         return int(self.tmpfs.total()[1])
+
+    def refresh_links(self) -> int:
+        """Correct the link counts of both tiers' shared files (O(shared
+        files), the GIL released: for a background thread); returns how
+        many changed."""
+        return int(self.tmpfs.refresh_links()) + int(self.disk.refresh_links())
 
     # -- moving ------------------------------------------------------------------
 

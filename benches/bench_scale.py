@@ -1,0 +1,140 @@
+"""Many shared keys on a LocalCluster (issue 24, item 1): stock vs dask-shm in one run.
+
+Run: ``pytest benches/bench_scale.py`` (the ours/stock time ratio is printed at
+the end by benches/conftest.py; the largest event-loop ticks are in each
+benchmark's ``extra_info`` and printed as the run goes).
+
+Workload: ``keys`` makers of 72 KiB float arrays (above ``min-size``: each is
+a shared file in shared mode), then ``keys`` tasks taking 3 of them each
+(``i``, ``i + 1`` and ``i + keys / 2``, so most inputs live on another
+worker), summed in a tree of 1,000-key partial sums; 4 worker processes x 1
+thread x 4 GiB, distributed's default memory thresholds (the nanny's
+terminate check included). Shared mode is switched on by config alone
+(preloads + ``shm.shared-memory.enabled``), as a user would. Timed: the
+computation (submit to result), not the cluster's start; run once each.
+
+``extra_info``: ``max_tick_loop_ms``, the largest tick of the event loop that
+runs the scheduler and the nannies (the client's too: one process), and
+``max_tick_worker_ms``, the largest of any worker's, from distributed's own
+``tick-duration`` metric (``Server.digests_max``), reset once the cluster is
+up; ``shared_files`` (ours: files held by the workers at the end).
+
+``DASK_SHM_BENCH_KEYS`` (default 100000; e.g. 5000 for a run of a few
+minutes on a small host) sets the number of keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+KIB = 2**10
+VALUE_BYTES = 72 * KIB
+PARTIAL = 1000
+KEYS = int(os.environ.get("DASK_SHM_BENCH_KEYS", "100000"))
+
+RESULTS: dict[int, dict[str, float]] = {}
+
+
+def make_value(i: int) -> np.ndarray:
+    return np.full(VALUE_BYTES // 8, float(i))
+
+
+def take_three(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> float:
+    return float(a[0] + b[-1] + c[len(c) // 2])
+
+
+def total(parts: list[float]) -> float:
+    return float(sum(parts))
+
+
+def graph(n: int) -> dict[Any, Any]:
+    """The workload as a task graph whose output key is ``"total"``."""
+    dsk: dict[Any, Any] = {}
+    for i in range(n):
+        dsk[("v", i)] = (make_value, i)
+    for i in range(n):
+        dsk[("s", i)] = (take_three, ("v", i), ("v", (i + 1) % n), ("v", (i + n // 2) % n))
+    chunks = range(0, n, PARTIAL)
+    for j, start in enumerate(chunks):
+        dsk[("t", j)] = (total, [("s", i) for i in range(start, min(start + PARTIAL, n))])
+    dsk["total"] = (total, [("t", j) for j in range(len(chunks))])
+    return dsk
+
+
+def expected(n: int) -> float:
+    return float(sum(i + (i + 1) % n + (i + n // 2) % n for i in range(n)))
+
+
+def _reset_ticks(dask_worker: Any = None, dask_scheduler: Any = None) -> None:
+    server = dask_worker or dask_scheduler
+    server.digests_max.pop("tick-duration", None)
+
+
+def _worker_figures(dask_worker: Any) -> dict[str, float]:
+    data = dask_worker.data
+    store = getattr(data, "store", None)
+    return {
+        "tick": dask_worker.digests_max.get("tick-duration", 0.0),
+        "files": len(store.tiers) if store is not None else 0,
+        "mapped": len(store.retained) if store is not None else 0,
+    }
+
+
+@pytest.mark.parametrize("impl", ["stock", "ours"])
+@pytest.mark.parametrize("keys", [KEYS])
+def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
+    benchmark.group = f"{keys:,} 72 KiB keys, tasks taking 3 each, 4 workers"
+    config: dict[str, Any] = {}
+    if impl == "ours":
+        config = {
+            "distributed.worker.preload": ["dask_shm"],
+            "distributed.nanny.preload": ["dask_shm"],
+            "shm.shared-memory.enabled": True,
+        }
+    results: list[float] = []
+    with (
+        dask.config.set(config),
+        LocalCluster(
+            n_workers=4,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit="4GiB",
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        kinds = client.run(lambda dask_worker: type(dask_worker.data).__name__)
+        assert set(kinds.values()) == {"SharedSpillBuffer" if impl == "ours" else "SpillBuffer"}
+        dsk = graph(keys)
+        client.run(_reset_ticks)
+        cluster.scheduler.digests_max.pop("tick-duration", None)
+
+        def compute() -> None:
+            results.append(client.get(dsk, "total"))
+
+        benchmark.pedantic(compute, rounds=1, iterations=1)
+        loop_tick = cluster.scheduler.digests_max.get("tick-duration", 0.0)
+        figures = client.run(_worker_figures)
+    assert results[0] == expected(keys), (results[0], expected(keys))
+    worker_tick = max(f["tick"] for f in figures.values())
+    benchmark.extra_info.update(
+        {
+            "max_tick_loop_ms": round(loop_tick * 1000, 1),
+            "max_tick_worker_ms": round(worker_tick * 1000, 1),
+            "shared_files": int(sum(f["files"] for f in figures.values())),
+            "mapped_values": int(sum(f["mapped"] for f in figures.values())),
+        }
+    )
+    print(
+        f"\n{impl} {keys:,} keys: {benchmark.stats.stats.median:.1f} s, max tick "
+        f"scheduler/nanny loop {loop_tick * 1000:.0f} ms, workers {worker_tick * 1000:.0f} ms"
+    )
+    RESULTS.setdefault(keys, {})[impl] = results[0]

@@ -1,0 +1,329 @@
+"""Shared-memory mode with many keys: O(1) work per key on the event loops,
+and a bounded number of memory mappings per worker (real processes, real
+files on /dev/shm)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dask
+import numpy as np
+import pytest
+from clusters import process_cluster, worker_addresses
+from distributed import Client, Worker, wait
+
+from dask_shm import SharedMemoryNannyPlugin, SharedMemoryPlugin, _core
+from dask_shm.procmem import process_memory
+from dask_shm.shared import SharedSpillBuffer, dirty, transfer
+from dask_shm.shared.published_share import SharePublisher, read_published_share
+
+KIB = 2**10
+MB = 2**20
+#: 72 KiB: above the default min-size, so every value is a shared file
+VALUE_BYTES = 72 * KIB
+
+
+def make_value(i: int) -> np.ndarray:
+    return np.full(VALUE_BYTES // 8, float(i))
+
+
+def take_three(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> float:
+    return float(a[0] + b[-1] + c[len(c) // 2])
+
+
+def mappings_of(directory: str) -> int:
+    """Memory mappings of this process whose file is under ``directory``
+    (lines of /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if directory in line)
+
+
+@pytest.fixture
+def root(shm_dir, tmp_path) -> Iterator[str]:
+    settings = {"shm.shared-memory.root": shm_dir, "shm.shared-memory.disk-root": str(tmp_path)}
+    with dask.config.set(settings):
+        yield shm_dir
+    transfer.enable_receiving(None)
+
+
+def test_held_values_beyond_the_map_bound_go_back_to_their_files(root):
+    """More values held than ``max_mapped``: at most that many stay mapped,
+    the others go back to their files (nothing written), and every value
+    reads back correct, mapped again on use."""
+    buf = SharedSpillBuffer.from_config(64 * MB)
+    buf.max_mapped = 40
+    n = 300
+    for i in range(n):
+        buf[f"k{i}"] = make_value(i)
+    buf.evict()
+    while len(buf.fast):
+        buf.evict()
+    assert len(buf.slow) == n
+    written = buf.cumulative_metrics["disk-write", "count"]
+    directory = buf.store.directory
+    for _ in range(2):
+        for i in range(n):
+            v = buf[f"k{i}"]
+            assert v[0] == i and v[-1] == i
+            del v
+            assert len(buf.store.retained) <= 40
+        assert mappings_of(directory) <= 40
+    assert buf.unmapped >= 2 * n - 40
+    assert buf.cumulative_metrics["disk-write", "count"] == written, "eviction wrote nothing"
+    assert buf.store.degraded_reads == 0
+    # the most recently used are the mapped ones; a use keeps a value mapped
+    assert list(buf.store.retained) == [f"k{i}" for i in range(n - 40, n)]
+    buf[f"k{n - 40}"]
+    buf["k0"]
+    assert f"k{n - 40}" in buf.store.retained and f"k{n - 39}" not in buf.store.retained
+    # the store's record of its mappings (what the written-in-place check
+    # reads instead of /proc/self/maps) agrees with the kernel's
+    st = os.stat(buf.store.path(f"k{n - 1}"))
+    ranges = _core.mapped_ranges(st.st_dev, st.st_ino)
+    assert len(ranges) == 1
+    assert ranges == dirty.mapped_ranges(st.st_ino, st.st_dev)
+    for i in range(n):
+        np.testing.assert_array_equal(buf[f"k{i}"], make_value(i))
+    buf.close()
+
+
+@pytest.fixture(scope="module")
+def shared_cluster() -> Iterator[Client]:
+    with process_cluster(4, "4GiB") as client:
+        client.register_plugin(SharedMemoryPlugin())
+        client.register_plugin(SharedMemoryNannyPlugin())
+        yield client
+
+
+def _timed(calls: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            calls.append(time.perf_counter() - start)
+
+    timed.__wrapped__ = fn  # type: ignore[attr-defined]
+    return timed
+
+
+def _time_worker_monitor(dask_worker: Worker) -> None:
+    calls: list[float] = []
+    dask_worker.monitor.get_process_memory = _timed(calls, dask_worker.monitor.get_process_memory)
+    dask_worker._shm_monitor_calls = calls  # type: ignore[attr-defined]
+
+
+def _worker_report(dask_worker: Worker) -> dict[str, float]:
+    calls = dask_worker._shm_monitor_calls  # type: ignore[attr-defined]
+    data = dask_worker.data
+    return {
+        "monitor_calls": len(calls),
+        "monitor_max": max(calls, default=0.0),
+        "tick_max": dask_worker.digests_max["tick-duration"],
+        "shared_files": data.store.tiers.tmpfs.shared_len(),
+        "files": len(data.store.tiers),
+        "mapped": len(data.store.retained),
+        "degraded_reads": data.store.degraded_reads,
+    }
+
+
+def test_many_shared_keys_are_correct_and_cost_o1_per_key_on_event_loops(shared_cluster):
+    """Thousands of 72 KiB shared values, each used by a task on another
+    worker: correct results; the nanny's terminate check and the worker's
+    memory monitor (the dask-shm work on event loops every 100 ms) stay far
+    below 100 ms however many files there are."""
+    client = shared_cluster
+    cluster = client.cluster
+    workers = worker_addresses(client)
+    client.run(_time_worker_monitor)
+    nanny_calls: list[float] = []
+    for nanny in cluster.workers.values():
+        pc = nanny.periodic_callbacks["memory_monitor"]
+        pc.callback = _timed(nanny_calls, pc.callback)
+    n = 2000
+    values = [
+        client.submit(make_value, i, key=f"v-{i}", workers=[workers[i % 4]], pure=False)
+        for i in range(n)
+    ]
+    sums = [
+        client.submit(
+            take_three,
+            values[i],
+            values[(i + 1) % n],
+            values[(i + 2) % n],
+            key=f"s-{i}",
+            workers=[workers[(i + 1) % 4]],
+            pure=False,
+        )
+        for i in range(n)
+    ]
+    wait(sums)
+    got = client.gather(sums)
+    assert got == [float(i + (i + 1) % n + (i + 2) % n) for i in range(n)]
+    time.sleep(0.5)  # a few more monitor ticks with every file in place
+    reports = client.run(_worker_report)
+    for address, r in reports.items():
+        assert r["files"] >= n // 4, (address, r)  # every value stays a shared file
+        assert r["shared_files"] > 0, (address, r)
+        assert r["monitor_calls"] > 0
+        assert r["monitor_max"] < 0.1, (address, r)
+        assert r["degraded_reads"] == 0
+    assert nanny_calls and max(nanny_calls) < 0.1, max(nanny_calls)
+    scheduler_tick = cluster.scheduler.digests_max["tick-duration"]
+    print(
+        f"\n{n} keys: scheduler/nanny loop max tick {scheduler_tick * 1000:.0f} ms; nanny check "
+        f"max {max(nanny_calls) * 1000:.2f} ms over {len(nanny_calls)} calls; workers: "
+        + ", ".join(
+            f"tick {r['tick_max'] * 1000:.0f} ms / monitor {r['monitor_max'] * 1000:.2f} ms"
+            for r in reports.values()
+        )
+    )
+    del values, sums
+
+
+class _CountingScandir:
+    """``os.scandir`` that counts the directory entries it yields."""
+
+    def __init__(self) -> None:
+        self.entries = 0
+        self.real = os.scandir
+
+    def __call__(self, path: Any = ".") -> Any:
+        counter = self
+        it = self.real(path)
+
+        class Counted:
+            def __enter__(self) -> Counted:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                it.close()
+
+            def __iter__(self) -> Iterator[os.DirEntry[str]]:
+                for e in it:
+                    counter.entries += 1
+                    yield e
+
+        return Counted()
+
+
+def test_the_nannys_check_reads_one_published_number(shared_cluster, monkeypatch):
+    """The nanny counts a worker's private memory plus the share the worker
+    publishes, looking at a few directory entries, not at the worker's
+    files (which the workload above left by the thousand)."""
+    client = shared_cluster
+    cluster = client.cluster
+    address, consumer = worker_addresses(client)[:2]
+    n = 600
+    values = [client.submit(make_value, i, workers=[address], pure=False) for i in range(n)]
+    firsts = [client.submit(lambda v: v[0], v, workers=[consumer], pure=False) for v in values]
+    assert client.gather(firsts) == [float(i) for i in range(n)]
+
+    def held(dask_worker: Worker) -> int:
+        return len(dask_worker.data.store.tiers)
+
+    files = client.run(held, workers=[address])[address]
+    assert files >= n
+    pid = client.run(os.getpid, workers=[address])[address]
+    nanny = next(n for n in cluster.workers.values() if n.worker_address == address)
+    check = nanny.periodic_callbacks["memory_monitor"].callback
+    terminator = getattr(check, "__wrapped__", check)
+    assert terminator.root is not None
+
+    def share() -> int:
+        return client.run(lambda dask_worker: dask_worker.data.tier2_bytes(), workers=[address])[
+            address
+        ]
+
+    expected = share()
+    assert expected > files * VALUE_BYTES // 4
+    # what the worker publishes, within a few monitor intervals
+    deadline = time.monotonic() + 5
+    while abs(read_published_share(terminator.root, pid) - share()) > VALUE_BYTES:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    counting = _CountingScandir()
+    monkeypatch.setattr(os, "scandir", counting)
+    memory = terminator.memory(pid)
+    monkeypatch.setattr(os, "scandir", counting.real)
+    assert abs(memory - process_memory(pid).private - share()) < 16 * MB
+    # a few entries (this user's process directories, one process directory),
+    # never the worker's files
+    assert counting.entries <= 64, counting.entries
+    assert counting.entries < files // 10
+    del values, firsts
+
+
+def test_a_published_share_that_cannot_be_read_counts_nothing(shm_dir):
+    """The nanny sums the numbers a worker process's buffers publish; a
+    missing, empty or garbled file counts 0 and never raises."""
+    base = os.path.join(shm_dir, f"dask-shm-{os.geteuid()}")
+    pid = 4242
+    assert read_published_share(shm_dir, pid) == 0  # no user directory yet
+    one = os.path.join(base, f"p-{pid}-100-aaaa")
+    two = os.path.join(base, f"p-{pid}-200-bbbb")
+    other = os.path.join(base, f"p-{pid}1-100-cccc")  # pid 42421, not ours
+    for d in (one, two, other):
+        os.makedirs(d)
+    for directory, name, text in [
+        (one, "w-1.share", "1000"),
+        (one, "w-2.share", "24"),
+        (one, "w-3.share", "garbled"),
+        (two, "w-4.share", ""),
+        (two, "w-5.share", "7"),
+        (other, "w-6.share", "99999"),
+        (one, "w-7", "5"),  # a buffer's directory name, not a published share
+    ]:
+        with open(os.path.join(directory, name), "w") as f:
+            f.write(text)
+    assert read_published_share(shm_dir, pid) == 1031
+
+
+def test_the_publisher_follows_the_share_and_refreshes_link_counts(shm_dir):
+    share = [5]
+    refreshes: list[float] = []
+    path = os.path.join(shm_dir, "w.share")
+    publisher = SharePublisher(
+        path,
+        lambda: share[0],
+        lambda: refreshes.append(time.monotonic()),
+        interval=0.01,
+        refresh_interval=0.2,
+    )
+    publisher.start()
+
+    def published() -> str:
+        with open(path) as f:
+            return f.read()
+
+    assert published() == "5"  # at once
+    share[0] = 123_456
+    deadline = time.monotonic() + 5
+    while published() != "123456":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    while len(refreshes) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # rate-limited: never closer than refresh_interval
+    assert min(b - a for a, b in itertools.pairwise(refreshes)) >= 0.19
+    publisher.stop()
+    assert not os.path.exists(path)
+
+
+def test_the_publisher_ends_with_its_worker(shm_dir):
+    """Once ``alive()`` is false (its worker closed) the thread ends and
+    removes the file, even if nobody calls ``stop``."""
+    alive = [True]
+    path = os.path.join(shm_dir, "w.share")
+    publisher = SharePublisher(path, lambda: 1, lambda: None, interval=0.01, alive=lambda: alive[0])
+    publisher.start()
+    assert os.path.exists(path)
+    alive[0] = False
+    publisher._thread.join(timeout=5)
+    assert not publisher._thread.is_alive()
+    assert not os.path.exists(path)
