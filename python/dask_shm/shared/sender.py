@@ -16,6 +16,7 @@ the value it names (see :mod:`dask_shm.shared.guard`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -90,9 +91,16 @@ GetData = Callable[..., Awaitable[Any]]
 
 
 def install_get_data(worker: Worker, buffer: SharedSpillBuffer, registry: PeerRegistry) -> GetData:
-    """Wrap ``worker``'s get_data handler; returns the handler it replaced."""
+    """Wrap ``worker``'s get_data handler; returns the handler it replaced.
+
+    The wrapper shows the replaced handler's signature (``functools.wraps``)
+    and passes every keyword through: distributed hands a handler optional
+    request fields such as a client's ``serializers`` only when its signature
+    names them, so hiding one would change what the worker sends.
+    """
     original: GetData = worker.handlers["get_data"]
 
+    @functools.wraps(original)
     async def get_data(comm: Any, keys: Any = (), who: str | None = None, **kwargs: Any) -> Any:
         if (
             worker.data is not buffer
