@@ -68,8 +68,11 @@ async def test_the_preload_lists_no_plugin_and_still_tears_down_on_close(c, s, a
     assert _shared_mode(a) == (True, [])
     assert await c.run(_shared_mode) == {a.address: (True, []), b.address: (True, [])}
     assert PLUGIN_NAME in preloaded_plugins(a)
+    x = c.submit(np.full, 4 * MB // 8, 2.0, workers=[a.address])
+    assert await c.submit(lambda v: float(v.sum()), x, workers=[b.address]) == MB
+    assert a.data.shm_counters["link_transfers"] == 1  # x went to b as a file of a's
     directory = a.data.store.directory
-    assert os.path.isdir(directory)
+    assert os.listdir(directory)
     await a.close()
     assert not os.path.exists(directory)  # torn down: its files are gone
     assert preloaded_plugins(a) == {}
