@@ -58,13 +58,14 @@ def test_every_public_name_resolves_to_its_defining_object() -> None:
         import dask_shm
         from distributed.spill import SpilledSize
         from dask_shm.local.scheduler import get
-        from dask_shm.preload import dask_setup
+        from dask_shm.preload import dask_setup, dask_teardown
         from dask_shm.shared import SharedMemoryNannyPlugin, SharedMemoryPlugin
         from dask_shm.spill import SpillBuffer
         from dask_shm.worker import SpillBufferPlugin, spill_buffer_for_worker, worker_data
 
         expected = dict(
             SpilledSize=SpilledSize, get=get, dask_setup=dask_setup,
+            dask_teardown=dask_teardown,
             SharedMemoryNannyPlugin=SharedMemoryNannyPlugin,
             SharedMemoryPlugin=SharedMemoryPlugin, SpillBuffer=SpillBuffer,
             SpillBufferPlugin=SpillBufferPlugin,
@@ -79,7 +80,6 @@ def test_every_public_name_resolves_to_its_defining_object() -> None:
         ns = {}
         exec("from dask_shm import *", ns)
         assert set(dask_shm.__all__) <= set(ns)
-        assert getattr(dask_shm, "dask_teardown", None) is None
         assert not hasattr(dask_shm, "no_such_name")
         try:
             dask_shm.no_such_name

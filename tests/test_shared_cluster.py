@@ -192,13 +192,18 @@ def test_config_alone_turns_it_on_in_worker_processes():
         Client(cluster) as client,
     ):
         a, b = two_workers(client)
+        # On, yet not listed among the worker's plugins (as distributed's own
+        # tests that count plugins expect); torn down by the preload on close.
         state = client.run(
             lambda dask_worker: (
                 dask_worker.data.shared,
                 "dask-shm-shared-memory" in dask_worker.plugins,
             )
         )
-        assert list(state.values()) == [(True, True), (True, True)]
+        assert list(state.values()) == [(True, False), (True, False)]
+        directories = list(client.run(process_dir_of).values())
+        assert all(os.path.isdir(d) for d in directories)
         x = client.submit(make_array, 4 * MB, workers=[a])
         assert client.submit(lambda v: v.size, x, workers=[b]).result() == MB // 2
         assert client.run(shm_metrics, workers=[a])[a]["link_transfers"] == 1
+    assert [d for d in directories if os.path.exists(d)] == []  # a clean close leaves nothing

@@ -11,8 +11,9 @@ Public API:
 - :func:`get`: dask's local scheduler on a process pool passing large buffers
   through shared-memory files (``dask.compute(x, scheduler=dask_shm.get)``).
 - ``dask_shm.amm``, ``dask_shm.spans``: Active Memory Manager and span extensions.
-- :func:`dask_setup`: makes ``--preload dask_shm`` install everything the
-  ``shm.*`` config switches enable.
+- :func:`dask_setup`, :func:`dask_teardown`: make ``--preload dask_shm``
+  install everything the ``shm.*`` config switches enable, and remove it when
+  the server closes.
 
 Importing the package loads only the Rust core and the ``shm`` config
 defaults, and shows the ``dask_shm`` loggers the way distributed shows its
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from distributed.spill import SpilledSize
 
     from dask_shm.local import get
-    from dask_shm.preload import dask_setup
+    from dask_shm.preload import dask_setup, dask_teardown
     from dask_shm.shared import SharedMemoryNannyPlugin, SharedMemoryPlugin
     from dask_shm.spill import SpillBuffer
     from dask_shm.worker import SpillBufferPlugin, spill_buffer_for_worker, worker_data
@@ -61,6 +62,7 @@ __all__ = [
     "SpillFileError",
     "SpilledSize",
     "dask_setup",
+    "dask_teardown",
     "get",
     "spill_buffer_for_worker",
     "worker_data",
@@ -74,6 +76,7 @@ _LAZY = {
     "SpillBufferPlugin": "dask_shm.worker",
     "SpilledSize": "distributed.spill",
     "dask_setup": "dask_shm.preload",
+    "dask_teardown": "dask_shm.preload",
     "get": "dask_shm.local",
     "spill_buffer_for_worker": "dask_shm.worker",
     "worker_data": "dask_shm.worker",

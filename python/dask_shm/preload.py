@@ -20,6 +20,11 @@ worker whose data mapping is not stock's SpillBuffer (a ``data=`` mapping of
 the user's, or a dict because spilling is off) keeps it. So turning dask-shm on
 changes how things are done, not what a server runs.
 
+Plugins the preload sets up are not listed in ``server.plugins`` (user code
+and distributed's own tests see the plugin lists a server had without
+dask-shm): :func:`dask_teardown`, which distributed calls when the server
+closes, tears them down; :func:`preloaded_plugins` tells which are on.
+
 An invalid ``shm.*`` value stops the server from starting: distributed only
 logs exceptions raised by a preload, so :class:`InvalidConfig` (a SystemExit
 carrying the message that names the key and the accepted values) is raised.
@@ -27,12 +32,18 @@ carrying the message that names the key and the accepted values) is raised.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from dask_shm.config import SharedMemorySettings, enabled
 
 logger = logging.getLogger(__name__)
+
+#: server -> {plugin name: plugin} set up by this preload, in setup order.
+_preloaded: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 class InvalidConfig(SystemExit):
@@ -104,8 +115,33 @@ def _has_stock_spill_buffer(worker: Any) -> bool:
     return isinstance(worker.memory_manager.data, StockSpillBuffer)
 
 
+async def dask_teardown(server: Any) -> None:
+    """Preload exit point, run by distributed when ``server`` closes: tears
+    down the plugins :func:`dask_setup` set up, last first. A plugin whose
+    teardown fails is logged and the others are still torn down, as
+    distributed does for registered plugins."""
+    for name, plugin in reversed(list(_preloaded.pop(server, {}).items())):
+        try:
+            result = plugin.teardown(server)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            logger.exception("dask-shm: plugin %s failed to tear down", name)
+
+
+def preloaded_plugins(server: Any) -> Mapping[str, Any]:
+    """The plugins this preload set up on ``server`` (not listed in
+    ``server.plugins``), by name; empty once the server closed."""
+    return dict(_preloaded.get(server, {}))
+
+
 def _add_plugin(server: Any, plugin: Any) -> None:
-    """Set ``plugin`` up on ``server`` and list it in ``server.plugins``, as
-    ``register_plugin`` would, so that it is visible and torn down on close."""
+    """Set ``plugin`` up on ``server``, to be torn down by :func:`dask_teardown`.
+
+    Unlike ``register_plugin`` this leaves ``server.plugins`` as it was: code
+    that lists a server's plugins (distributed's tests among it) sees what it
+    registered. A ``register_plugin`` of the same plugin class later still
+    works: its setup finds the mode on and does nothing.
+    """
     plugin.setup(server)
-    server.plugins[plugin.name] = plugin
+    _preloaded.setdefault(server, {})[plugin.name] = plugin

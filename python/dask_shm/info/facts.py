@@ -25,6 +25,7 @@ import dask.config
 
 from dask_shm._core import is_ram_backed
 from dask_shm.config import DEFAULTS, SWITCHES, SharedMemorySettings, enabled, unknown_keys
+from dask_shm.preload import preloaded_plugins
 from dask_shm.shared.limits import summary
 from dask_shm.shared.paths import (
     UnusableRoot,
@@ -49,8 +50,9 @@ class WorkerInfo:
     """One worker as seen through the scheduler."""
 
     address: str
-    #: Whether the plugin named :data:`PLUGIN_NAME` is installed; None when
-    #: the worker could not be asked (see ``error``).
+    #: Whether the plugin named :data:`PLUGIN_NAME` is installed (registered,
+    #: or set up by the preload); None when the worker could not be asked
+    #: (see ``error``).
     plugin_active: bool | None
     #: Class of the worker's ``data`` mapping, e.g. ``dask_shm.spill.SpillBuffer``.
     data_class: str | None
@@ -215,7 +217,8 @@ def _worker_report(dask_worker: Any) -> dict[str, Any]:
     """Run on each worker by :func:`ask_workers`."""
     data = dask_worker.data
     return {
-        "plugin_active": PLUGIN_NAME in dask_worker.plugins,
+        "plugin_active": PLUGIN_NAME in dask_worker.plugins
+        or PLUGIN_NAME in preloaded_plugins(dask_worker),
         "data_class": f"{type(data).__module__}.{type(data).__qualname__}",
     }
 

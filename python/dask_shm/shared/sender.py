@@ -27,6 +27,7 @@ an outgoing transfer it never uncounts) and again around it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -112,9 +113,16 @@ def install_get_data(
 ) -> GetData:
     """Wrap ``worker``'s get_data handler; returns the handler it replaced.
     ``root_tokens`` maps each tier (2, 3) of ``buffer`` to its root's identity
-    token (a tier without one is never handed over)."""
+    token (a tier without one is never handed over).
+
+    The wrapper shows the replaced handler's signature (``functools.wraps``)
+    and passes every keyword through: distributed hands a handler optional
+    request fields such as a client's ``serializers`` only when its signature
+    names them, so hiding one would change what the worker sends.
+    """
     original: GetData = worker.handlers["get_data"]
 
+    @functools.wraps(original)
     async def get_data(comm: Any, keys: Any = (), who: str | None = None, **kwargs: Any) -> Any:
         try:
             if worker.data is buffer:
