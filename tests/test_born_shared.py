@@ -3,6 +3,7 @@ files, real mappings, real numpy handler API)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import os
 import shutil
@@ -714,4 +715,4 @@ def test_preload_refuses_a_bad_born_setting() -> None:
         {"shm.shared-memory.enabled": True, "shm.shared-memory.born-shared": "maybe"}
     ):
         with pytest.raises(InvalidConfig, match="born-shared"):
-            dask_setup(worker)
+            asyncio.run(dask_setup(worker))

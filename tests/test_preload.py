@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import dask
 import pytest
 from distributed import Client, LocalCluster, Scheduler, Worker
@@ -72,7 +74,7 @@ def test_bad_switch_value_makes_the_preload_refuse_to_start_naming_the_key():
     # SystemExit so that the server does not start half-configured.
     with dask.config.set({"shm.spans": "maybe"}):
         with pytest.raises(InvalidConfig, match="shm.spans must be true or false"):
-            dask_shm.dask_setup(Scheduler.__new__(Scheduler))
+            asyncio.run(dask_shm.dask_setup(Scheduler.__new__(Scheduler)))
 
 
 def test_bad_shared_memory_value_stops_worker_processes_from_starting():
@@ -87,7 +89,7 @@ def test_bad_shared_memory_value_stops_worker_processes_from_starting():
 
 def test_preload_refuses_other_servers():
     with pytest.raises(TypeError, match="Scheduler, Worker or Nanny"):
-        dask_shm.dask_setup(object())
+        asyncio.run(dask_shm.dask_setup(object()))
     assert callable(Worker)
 
 

@@ -17,7 +17,7 @@ def make_array(nbytes: int, fill: float = 1.0) -> np.ndarray:
 
 @gen_cluster(client=True, nthreads=[("", 1), ("", 1)], worker_kwargs={"memory_limit": "1 GiB"})
 async def test_a_worker_without_the_plugin_gets_bytes(c, s, a, b):
-    SharedMemoryPlugin().setup(a)  # only a is in shared-memory mode
+    await SharedMemoryPlugin().setup(a)  # only a is in shared-memory mode
     assert isinstance(a.data, SpillBuffer) and a.data.shared
     assert not getattr(b.data, "shared", False)
     x = c.submit(make_array, 4 * MB, workers=[a.address], key="to-stock")
@@ -33,8 +33,8 @@ async def test_a_worker_without_the_plugin_gets_bytes(c, s, a, b):
 @gen_cluster(client=True, nthreads=[("", 1), ("", 1)], worker_kwargs={"memory_limit": "1 GiB"})
 async def test_values_that_are_pickled_objects_travel_as_bytes(c, s, a, b):
     plugins = [SharedMemoryPlugin(), SharedMemoryPlugin()]
-    plugins[0].setup(a)
-    plugins[1].setup(b)
+    await plugins[0].setup(a)
+    await plugins[1].setup(b)
     x = c.submit(lambda: ["a string"] * 200_000, workers=[a.address], key="strings")
     assert await c.submit(len, x, workers=[b.address]) == 200_000
     assert a.data.shm_counters["link_transfers"] == 0

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -19,9 +20,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import dask
 import numpy as np
 import psutil
 import pytest
@@ -355,3 +358,36 @@ def test_a_second_user_gets_shared_mode_with_default_config_in_directories_of_it
         shutil.rmtree(tmp, ignore_errors=True)
         if not shm_before:
             shutil.rmtree(f"/dev/shm/dask-shm-{NOBODY}", ignore_errors=True)
+
+
+def test_a_nanny_reclaims_off_its_event_loop(shm_dir, disk_root, monkeypatch):
+    """The start-up and close sweeps walk dead processes' files: O(files), so
+    they run in a thread, never on the nanny's event loop (in a LocalCluster
+    that loop is also the scheduler's and the client's)."""
+    from distributed import Nanny, Scheduler
+
+    from dask_shm.shared import paths
+
+    proc = make_process_dir(shm_dir, disk_root, (MB, MB))
+    files = json.loads(proc.stdout.readline())
+    proc.kill()
+    proc.wait(timeout=30)
+    on_loop_thread: list[bool] = []
+    reclaim = paths.reclaim
+
+    def recording_reclaim(*args, **kwargs):
+        on_loop_thread.append(threading.current_thread() is threading.main_thread())
+        return reclaim(*args, **kwargs)
+
+    monkeypatch.setattr(paths, "reclaim", recording_reclaim)
+
+    async def start_and_close() -> None:
+        async with Scheduler(dashboard_address=":0") as s:
+            async with Nanny(s.address, nthreads=1, memory_limit="512MiB"):
+                pass
+
+    with dask.config.set(shared_config(shm_dir, disk_root)):
+        asyncio.run(start_and_close())
+    # both roots, at start and at close, all in threads
+    assert len(on_loop_thread) == 4 and not any(on_loop_thread)
+    assert not any(os.path.exists(f) for f in files)

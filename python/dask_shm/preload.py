@@ -50,8 +50,8 @@ class InvalidConfig(SystemExit):
     """An ``shm.*`` config value is invalid; the server must not start."""
 
 
-def dask_setup(server: Any) -> None:
-    """Preload entry point.
+async def dask_setup(server: Any) -> None:
+    """Preload entry point (distributed awaits it while the server starts).
 
     Raises InvalidConfig for an invalid ``shm.*`` value and TypeError for a
     server that is not a Scheduler, Worker or Nanny.
@@ -63,13 +63,13 @@ def dask_setup(server: Any) -> None:
             f"dask_shm preload runs on a Scheduler, Worker or Nanny, not {type(server).__name__}"
         )
     try:
-        _setup(server)
+        await _setup(server)
     except ValueError as e:
         logger.critical("dask-shm: invalid configuration: %s", e)
         raise InvalidConfig(f"dask-shm: invalid configuration: {e}") from e
 
 
-def _setup(server: Any) -> None:
+async def _setup(server: Any) -> None:
     from distributed import Nanny, Scheduler
 
     if isinstance(server, Scheduler):
@@ -92,13 +92,13 @@ def _setup(server: Any) -> None:
         if shared:
             from dask_shm.shared import SharedMemoryNannyPlugin
 
-            _add_plugin(server, SharedMemoryNannyPlugin())
+            await _add_plugin(server, SharedMemoryNannyPlugin())
         return
     switches = {name: enabled(name) for name in ("spill-buffer", "spans")}
     if shared and _has_stock_spill_buffer(server):
         from dask_shm.shared import SharedMemoryPlugin
 
-        _add_plugin(server, SharedMemoryPlugin())
+        await _add_plugin(server, SharedMemoryPlugin())
     elif switches["spill-buffer"] and _has_stock_spill_buffer(server):
         from dask_shm.worker import SpillBufferPlugin
 
@@ -135,7 +135,7 @@ def preloaded_plugins(server: Any) -> Mapping[str, Any]:
     return dict(_preloaded.get(server, {}))
 
 
-def _add_plugin(server: Any, plugin: Any) -> None:
+async def _add_plugin(server: Any, plugin: Any) -> None:
     """Set ``plugin`` up on ``server``, to be torn down by :func:`dask_teardown`.
 
     Unlike ``register_plugin`` this leaves ``server.plugins`` as it was: code
@@ -143,5 +143,7 @@ def _add_plugin(server: Any, plugin: Any) -> None:
     registered. A ``register_plugin`` of the same plugin class later still
     works: its setup finds the mode on and does nothing.
     """
-    plugin.setup(server)
+    result = plugin.setup(server)
+    if inspect.isawaitable(result):
+        await result
     _preloaded.setdefault(server, {})[plugin.name] = plugin

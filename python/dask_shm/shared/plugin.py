@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import sys
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dask.utils import format_bytes
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
@@ -64,17 +65,29 @@ class SharedMemoryPlugin(WorkerPlugin):
         #: None: ``shm.shared-memory.root`` on the worker
         self.root = root
 
-    def setup(self, worker: Worker) -> None:
-        from dask_shm.worker import SpillBufferPlugin, install_spill_buffer, target_from_config
-
+    async def setup(self, worker: Worker) -> None:
         if isinstance(worker.data, SharedSpillBuffer):
             return
         settings = SharedMemorySettings.from_config()
         born_settings = born_worker.BornSettings.from_config()
         root = self.root or settings.root
         # Before the budget, which is capped by the root's free space: what
-        # dead processes left there is not taken.
-        reclaim_dead_processes(root, settings.disk_root)
+        # dead processes left there is not taken. O(their files): in a thread,
+        # off the event loop (an in-process cluster shares it with the client).
+        await asyncio.to_thread(reclaim_dead_processes, root, settings.disk_root)
+        if isinstance(worker.data, SharedSpillBuffer):  # set up meanwhile
+            return
+        self._install(worker, settings, born_settings, root)
+
+    def _install(
+        self,
+        worker: Worker,
+        settings: SharedMemorySettings,
+        born_settings: born_worker.BornSettings,
+        root: str,
+    ) -> None:
+        from dask_shm.worker import SpillBufferPlugin, install_spill_buffer, target_from_config
+
         memory_limit = worker.memory_manager.memory_limit
         budget = limits.tier2_budget(
             settings.max_bytes,
@@ -212,16 +225,19 @@ class SharedMemoryNannyPlugin(NannyPlugin):
             return None
         return root
 
-    def _sweep(self, root: str | None) -> None:
-        reclaim_dead_processes(root, SharedMemorySettings.from_config().disk_root)
+    async def _sweep(self, root: str | None) -> None:
+        # O(files) of dead processes: in a thread, so that the nanny's event
+        # loop (in a LocalCluster also the scheduler's and the client's) runs on.
+        disk_root = SharedMemorySettings.from_config().disk_root
+        await asyncio.to_thread(reclaim_dead_processes, root, disk_root)
 
-    def setup(self, nanny: Nanny) -> None:
+    async def setup(self, nanny: Nanny) -> None:
         root = self._root()
-        self._sweep(root)
+        await self._sweep(root)
         monitor.install_nanny_monitor(nanny, root)
 
-    def teardown(self, nanny: Nanny) -> Any:
-        self._sweep(self._root())
+    async def teardown(self, nanny: Nanny) -> None:
+        await self._sweep(self._root())
 
 
 def reclaim_dead_processes(root: str | None, disk_root: str) -> int:
