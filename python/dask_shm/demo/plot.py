@@ -225,7 +225,7 @@ def plot_runs(runs: Sequence[RunResult], path: str | os.PathLike[str], title: st
                     labels.append(label)
     handles.append(Patch(color="0.92"))
     labels.append("computing")
-    fig.legend(handles, labels, loc="outside lower center", ncols=(len(labels) + 1) // 2)
+    fig.legend(handles, labels, loc="outside lower center", ncols=3)
     fig.savefig(os.fspath(path), format="png", dpi=100)
 
 
