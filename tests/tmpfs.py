@@ -12,12 +12,21 @@ import pytest
 
 
 @contextlib.contextmanager
-def small_tmpfs(size: str = "64m") -> Iterator[str]:
-    """A real tmpfs of ``size`` mounted on a fresh directory (root only)."""
+def small_tmpfs(size: str = "64m", *, read_only: bool = False) -> Iterator[str]:
+    """A real tmpfs of ``size`` mounted on a fresh directory (root only),
+    read-only if asked (as a container's read-only mount)."""
     path = tempfile.mkdtemp(prefix="dask-shm-tmpfs-")
     try:
         proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", path],
+            [
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                f"size={size},mode=1777" + (",ro" if read_only else ""),
+                "tmpfs",
+                path,
+            ],
             capture_output=True,
             text=True,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from typing import Any
 
 import click
@@ -16,8 +17,10 @@ shared-memory mode. Prints wall time, memory and transfer figures side by side
 
 Sizes default to about RAM/12 (at most 2 GiB) for x, with memory limits that
 let the cluster hold x about twice. The default run takes about 4 minutes on a
-2-core machine (--quick: under a minute); the estimate for the chosen sizes is
-printed first. Sizes that do not fit in this host's memory are refused unless
+2-core machine (--quick: under a minute); the estimate for the chosen sizes,
+from a short calibration of this host's speed now, is printed first, and a
+warning when other processes keep the host busy (then ratios are
+unreliable). Sizes that do not fit in this host's memory are refused unless
 --force is given. Needs matplotlib for the plot: pip install "dask-shm[demo]".
 """
 
@@ -128,11 +131,22 @@ def demo(
     except ImportError as e:
         raise click.ClickException(str(e)) from None
 
+    from dask_shm.demo import calibration
+    from dask_shm.demo.busy import busy_warning, read_cpu_load
     from dask_shm.demo.runner import run_demo
     from dask_shm.demo.table import results_match
 
+    warning = busy_warning([read_cpu_load(interval=1.0)], psutil.cpu_count() or 1)
+    if warning:
+        click.echo(
+            f"dask-shm demo: warning: {warning.replace('while the demo ran', 'now')}", err=True
+        )
+    try:
+        estimate = calibration.estimated_seconds(config, calibration.measure(config))
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError):
+        estimate = estimated_seconds(config)  # the dev machine's figures
     click.echo(
-        f"Both runs take roughly {format_time(estimated_seconds(config))} "
+        f"Both runs take roughly {format_time(estimate)} "
         f"(x is {format_bytes(config.nbytes)}; --quick for a short run).",
     )
     stock, ours = run_demo(config)

@@ -10,19 +10,62 @@ from __future__ import annotations
 import os
 import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dask.utils import format_bytes
 
 from dask_shm.demo.result import RunResult
+from dask_shm.demo.sampling import WorkerSeries
 
 COLORS = {
     "unmanaged": "#bdbdbd",
     "managed": "#4c72b0",
-    "spilled": "#dd8452",
+    "tier2": "#dd8452",
+    "disk": "#8c564b",
     "host": "#c44e52",
     "private": "#55a868",
+    "limit": "#000000",
 }
+
+
+@dataclass
+class WorkerPanel:
+    """What one worker's plot shows (bytes): the scheduler's stacked view
+    (unmanaged, managed, spilled to shared memory = tier 2, spilled to disk =
+    stock's spill or dask-shm's tier 3), its process's private memory (the
+    table's source too) and its memory limit (0: none)."""
+
+    times: list[float]
+    unmanaged: list[int]
+    managed: list[int]
+    shared: list[int]
+    on_disk: list[int]
+    private: list[tuple[float, int]]
+    memory_limit: int
+
+    @property
+    def peak_private(self) -> int:
+        return max((v for _, v in self.private), default=0)
+
+
+def worker_panels(run: RunResult) -> dict[str, WorkerPanel]:
+    """Per worker name, the data of its plot (pure: no matplotlib)."""
+    names = sorted({*run.workers, *run.private_by_worker}, key=_worker_order)
+    panels = {}
+    for name in names:
+        series = run.workers.get(name) or WorkerSeries()
+        shared = series.shared or [0] * len(series.spilled)
+        panels[name] = WorkerPanel(
+            times=list(series.times),
+            unmanaged=list(series.unmanaged),
+            managed=list(series.managed),
+            shared=list(shared),
+            on_disk=[s - t for s, t in zip(series.spilled, shared, strict=True)],
+            private=list(run.private_by_worker.get(name, [])),
+            memory_limit=run.memory_limit,
+        )
+    return panels
 
 
 def _unit(peak: float) -> tuple[str, float]:
@@ -50,26 +93,33 @@ def plot_runs(runs: Sequence[RunResult], path: str | os.PathLike[str], title: st
     host's memory in use (``MemTotal - MemAvailable``, increase over the run's
     start; shared memory counts once) and the sum of the worker processes'
     private memory (their RSS without shared pages); a gap between the two is
-    shared memory or other programs. Then one row per worker with its memory
-    as the scheduler saw it, stacked: unmanaged, managed (in process memory)
-    and spilled (to disk for stock; to shared memory, which is host RAM, for
-    dask-shm). Rows share their y scale and all plots share the time scale, so
+    shared memory or other programs. Then one row per worker
+    (:func:`worker_panels`) with its memory as the scheduler saw it, stacked:
+    unmanaged, managed (in process memory), spilled to shared memory (tier 2,
+    host RAM) and spilled to disk (stock's spill, dask-shm's tier 3), its
+    process's private memory (the table's source) as a line and its memory
+    limit as a dashed line. Rows share their y scale and all plots share the time scale, so
     heights and widths compare directly. The shaded span is the computation
     (submit to result)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    names = sorted({n for r in runs for n in r.workers}, key=_worker_order)
+    panels = [worker_panels(r) for r in runs]
+    names = sorted({n for p in panels for n in p}, key=_worker_order)
     nrows = 1 + len(names)
     host_peak = max((v for r in runs for _, v in [*r.host, *r.workers_private]), default=0)
     worker_peak = max(
-        (
-            m + u + s
-            for r in runs
-            for w in r.workers.values()
-            for m, u, s in zip(w.managed, w.unmanaged, w.spilled, strict=True)
-        ),
+        [
+            *(
+                u + m + t + d
+                for p in panels
+                for w in p.values()
+                for u, m, t, d in zip(w.unmanaged, w.managed, w.shared, w.on_disk, strict=True)
+            ),
+            *(w.peak_private for p in panels for w in p.values()),
+            *(w.memory_limit for p in panels for w in p.values()),
+        ],
         default=0,
     )
     host_unit, host_div = _unit(host_peak)
@@ -107,7 +157,8 @@ def plot_runs(runs: Sequence[RunResult], path: str | os.PathLike[str], title: st
         peak = host_peak_of(run)
         ax.axhline(peak / host_div, color=COLORS["host"], lw=0.6, ls=":")
         ax.annotate(
-            f"peak +{format_bytes(int(peak))}",
+            f"peak +{format_bytes(int(peak))}; a worker's private memory peaked at "
+            f"{format_bytes(run.worker_peak_private)}",
             xy=(0.01, 0.97),
             xycoords="axes fraction",
             va="top",
@@ -115,16 +166,44 @@ def plot_runs(runs: Sequence[RunResult], path: str | os.PathLike[str], title: st
         )
         for row, name in enumerate(names, start=1):
             ax = axes[row][col]
-            series = run.workers.get(name)
-            if series is not None and series.times:
+            panel = panels[col].get(name)
+            if panel is not None and panel.times:
                 ax.stackplot(
-                    series.times,
-                    [x / worker_div for x in series.unmanaged],
-                    [x / worker_div for x in series.managed],
-                    [x / worker_div for x in series.spilled],
-                    labels=["unmanaged", "managed", "spilled (dask-shm: shared)"],
-                    colors=[COLORS["unmanaged"], COLORS["managed"], COLORS["spilled"]],
+                    panel.times,
+                    [x / worker_div for x in panel.unmanaged],
+                    [x / worker_div for x in panel.managed],
+                    [x / worker_div for x in panel.shared],
+                    [x / worker_div for x in panel.on_disk],
+                    labels=[
+                        "unmanaged",
+                        "managed",
+                        "spilled to shared memory (tier 2, RAM)",
+                        "spilled to disk (stock; dask-shm tier 3)",
+                    ],
+                    colors=[
+                        COLORS["unmanaged"],
+                        COLORS["managed"],
+                        COLORS["tier2"],
+                        COLORS["disk"],
+                    ],
                     alpha=0.85,
+                )
+            if panel is not None and panel.private:
+                t, v = zip(*panel.private, strict=True)
+                ax.plot(
+                    t,
+                    [x / worker_div for x in v],
+                    color=COLORS["private"],
+                    lw=0.9,
+                    label="process private memory (as in the table)",
+                )
+            if panel is not None and panel.memory_limit:
+                ax.axhline(
+                    panel.memory_limit / worker_div,
+                    color=COLORS["limit"],
+                    lw=0.8,
+                    ls="--",
+                    label="memory limit",
                 )
             ax.set_ylabel(f"worker {name}\n({worker_unit})")
         for r in range(nrows):
@@ -138,7 +217,7 @@ def plot_runs(runs: Sequence[RunResult], path: str | os.PathLike[str], title: st
         axes[1][0].set_ylim(0, max(worker_peak / worker_div * 1.05, 1e-3))
     handles: list[Any] = []
     labels: list[str] = []
-    for row in axes[: min(2, nrows)]:
+    for row in axes:
         for ax in row:
             for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
                 if label not in labels:
@@ -146,7 +225,7 @@ def plot_runs(runs: Sequence[RunResult], path: str | os.PathLike[str], title: st
                     labels.append(label)
     handles.append(Patch(color="0.92"))
     labels.append("computing")
-    fig.legend(handles, labels, loc="outside lower center", ncols=(len(labels) + 1) // 2)
+    fig.legend(handles, labels, loc="outside lower center", ncols=3)
     fig.savefig(os.fspath(path), format="png", dpi=100)
 
 

@@ -23,7 +23,8 @@ class RunResult:
     #: Peak of ``MemTotal - MemAvailable`` minus its value when the run
     #: started.
     host_peak_increase: int
-    #: Largest private memory (RSS minus shared pages) of any worker process.
+    #: Largest private memory (RSS minus shared pages) of any worker process:
+    #: :func:`peak_private` of ``private_by_worker``, the plot's source too.
     worker_peak_private: int
     #: Largest sum over workers of spilled bytes (scheduler's view): what is
     #: in spill files, on disk or on the shared-memory tmpfs.
@@ -53,3 +54,26 @@ class RunResult:
     #: When the computation was submitted and when its result arrived.
     compute_start: float = 0.0
     compute_end: float = 0.0
+    #: Worker name -> ``(time, private memory of its process)`` samples
+    #: (procmem: RSS minus shared pages): the one source of private memory of
+    #: the table (peak) and the plot (per-worker line, sum).
+    private_by_worker: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    #: Memory limit of each worker (0: none).
+    memory_limit: int = 0
+    #: Cores other processes used, read every second during the run.
+    other_cpu_cores: list[float] = field(default_factory=list)
+
+
+def peak_private(private_by_worker: dict[str, list[tuple[float, int]]]) -> int:
+    """Largest private memory of any worker in any sample (0 without samples)."""
+    return max((v for series in private_by_worker.values() for _, v in series), default=0)
+
+
+def private_sum(private_by_worker: dict[str, list[tuple[float, int]]]) -> list[tuple[float, int]]:
+    """``(time, sum over workers)`` of per-worker samples taken together
+    (same times, as procmem samples every process at once)."""
+    totals: dict[float, int] = {}
+    for series in private_by_worker.values():
+        for t, v in series:
+            totals[t] = totals.get(t, 0) + v
+    return sorted(totals.items())

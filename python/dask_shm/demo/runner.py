@@ -16,9 +16,10 @@ from distributed import Client, LocalCluster, Scheduler, Worker, wait
 from distributed.diagnostics.plugin import WorkerPlugin
 from tornado.ioloop import IOLoop
 
+from dask_shm.demo.busy import LoadSampler
 from dask_shm.demo.options import DemoConfig
 from dask_shm.demo.progress import show_progress
-from dask_shm.demo.result import RunResult
+from dask_shm.demo.result import RunResult, peak_private, private_sum
 from dask_shm.demo.sampling import ClusterMemorySampler
 from dask_shm.procmem import MemorySampler
 
@@ -95,6 +96,9 @@ class DemoRun:
         self.show_progress = show_progress
         self._pids: set[int] = set()
         self.memory = MemorySampler(self._pids, interval=HOST_INTERVAL)
+        #: Worker pid -> its name (as the scheduler's samples name it).
+        self._names: dict[int, str] = {}
+        self.load = LoadSampler(self._pids)
         self.t0 = 0.0
         self.cluster: LocalCluster | None = None
         self.client: Client | None = None
@@ -121,7 +125,11 @@ class DemoRun:
                 silence_logs=logging.ERROR,
             )
             self.client = Client(self.cluster)
-            self._pids.update(self.client.run(os.getpid).values())
+            pids = self.client.run(os.getpid)
+            self._pids.update(pids.values())
+            scheduler = self._scheduler_and_loop()[0]
+            self._names = {pid: str(scheduler.workers[a].name) for a, pid in pids.items()}
+            self.load.start()
             if self.ours:
                 self.client.register_plugin(shared_memory_plugin())
             scheduler, loop = self._scheduler_and_loop()
@@ -179,6 +187,7 @@ class DemoRun:
             if self.cluster is not None:
                 self.cluster.close()
         finally:
+            self.load.stop()
             try:
                 if self.memory.running:
                     self.memory.stop()
@@ -193,9 +202,11 @@ class DemoRun:
             raise RuntimeError("the workload has not been computed")
         samples = list(self.memory.samples)
         baseline = self.memory.baseline or 0
-        worker_private = [
-            pm.private for s in samples for pid, pm in s.processes.items() if pid in self._pids
-        ]
+        private_by_worker: dict[str, list[tuple[float, int]]] = {}
+        for s in samples:
+            for pid, pm in s.processes.items():
+                if pid in self._names:
+                    private_by_worker.setdefault(self._names[pid], []).append((s.time, pm.private))
         outgoing = int(self.counters.get("outgoing_bytes", 0))
         link_bytes = int(self.counters.get("link_bytes", 0))
         fallback_bytes = int(self.counters.get("fallback_bytes", 0))
@@ -210,7 +221,7 @@ class DemoRun:
             wall_seconds=self.wall_seconds,
             result=self.value,
             host_peak_increase=max(0, max((s.host_used for s in samples), default=0) - baseline),
-            worker_peak_private=max(worker_private, default=0),
+            worker_peak_private=peak_private(private_by_worker),
             spilled_peak=sampler.peak_spilled if sampler else 0,
             tcp_bytes=tcp_bytes,
             link_bytes=link_bytes,
@@ -220,13 +231,13 @@ class DemoRun:
             shared_peak=sampler.peak_shared if sampler else 0,
             disk_spilled_peak=sampler.peak_disk_spilled if sampler else 0,
             host=[(s.time, s.host_used - baseline) for s in samples],
-            workers_private=[
-                (s.time, sum(pm.private for pid, pm in s.processes.items() if pid in self._pids))
-                for s in samples
-            ],
+            workers_private=private_sum(private_by_worker),
             workers=self.scheduler_sampler.workers if self.scheduler_sampler else {},
             compute_start=self.compute_start,
             compute_end=self.compute_end,
+            private_by_worker=private_by_worker,
+            memory_limit=self.config.memory_limit,
+            other_cpu_cores=list(self.load.readings),
         )
 
 

@@ -29,9 +29,18 @@ class WorkerSeries:
     #: Process memory minus managed: interpreter, libraries, temporaries,
     #: fragmentation.
     unmanaged: list[int] = field(default_factory=list)
-    #: Bytes of the worker's data in spill files (on disk for stock; on the
-    #: shared-memory tmpfs in dask-shm's shared-memory mode).
+    #: Bytes of the worker's data in spill files: on disk for stock; in
+    #: dask-shm's shared-memory mode on the tmpfs (tier 2) or, beyond its
+    #: budget, on disk (tier 3).
     spilled: list[int] = field(default_factory=list)
+    #: Of ``spilled``, the bytes in shared-memory files (tier 2, host RAM;
+    #: the worker's ``shm.shared_bytes`` metric); 0 for stock.
+    shared: list[int] = field(default_factory=list)
+
+    @property
+    def on_disk(self) -> list[int]:
+        """Of ``spilled``, the bytes on disk (stock's spill, dask-shm's tier 3)."""
+        return [s - t for s, t in zip(self.spilled, self.shared, strict=True)]
 
 
 class ClusterMemorySampler:
@@ -74,9 +83,12 @@ class ClusterMemorySampler:
             series.spilled.append(memory.spilled)
             total_spilled += memory.spilled
             shm = ws.metrics.get("shm")
-            if isinstance(shm, dict):
-                # From the same heartbeat as ws.memory; never more than spilled.
-                total_shared += min(memory.spilled, int(shm.get("shared_bytes", 0)))
+            # From the same heartbeat as ws.memory; never more than spilled.
+            shared = (
+                min(memory.spilled, int(shm.get("shared_bytes", 0))) if isinstance(shm, dict) else 0
+            )
+            series.shared.append(shared)
+            total_shared += shared
         self.peak_spilled = max(self.peak_spilled, total_spilled)
         self.peak_shared = max(self.peak_shared, total_shared)
         self.peak_disk_spilled = max(self.peak_disk_spilled, total_spilled - total_shared)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from dask.system import CPU_COUNT
 from dask.utils import format_bytes
 
+from dask_shm.demo.busy import busy_warning
 from dask_shm.demo.result import RunResult
 
 #: Relative tolerance within which the two runs' results count as the same.
@@ -52,7 +54,9 @@ def format_table(stock: RunResult, ours: RunResult) -> str:
     """Rows of measurements with stock, ours and the ratio ours/stock (lower
     is better for every row, "-" where stock's figure is 0); the result row
     says "same" or "DIFFERENT". The TCP row and the closing line about
-    transfers give the same TCP figure."""
+    transfers give the same TCP figure. A closing warning says when other
+    processes kept the host busy during the runs (:func:`busy_warning` of
+    both runs' readings): then the ratios are unreliable."""
     header = ("", stock.label, ours.label, RATIO_HEADING)
     rows = [header]
     for name, attr, fmt in ROWS:
@@ -77,4 +81,7 @@ def format_table(stock: RunResult, ours: RunResult) -> str:
             f"({format_bytes(ours.link_bytes)}) sent by hard link, "
             f"{ours.fallback_transfers:,} ({format_bytes(ours.tcp_bytes)}) over TCP"
         )
+    warning = busy_warning([*stock.other_cpu_cores, *ours.other_cpu_cores], CPU_COUNT)
+    if warning:
+        text += f"\n\nWARNING: {warning}"
     return text

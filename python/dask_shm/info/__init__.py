@@ -7,8 +7,8 @@
 - :mod:`~dask_shm.info.render` renders them as text (:func:`format_info`);
 - :mod:`~dask_shm.info.command` is the ``info`` command.
 
-Problems are warnings: nothing here changes the system, and the command exits
-0 whatever it finds.
+Nothing here changes the system; the command exits 1 when it reports a
+problem, else 0 (``--json`` too).
 
 Checked: the shared-memory root (``shm.shared-memory.root``, default
 ``/dev/shm``) exists, is on a tmpfs, is writable and has room; the per-user
@@ -17,8 +17,11 @@ limit against what a worker of this host would need and ``vm.max_map_count``
 against what a worker could map (held values and born-shared blocks);
 the platform (shared memory needs Linux); the ``shm`` config validates; and,
 given a scheduler address, which workers have the shared-memory plugin
-installed; and the bytes that dead processes' directories (left by a
-SIGKILL) hold on the shared-memory root and the disk root.
+installed (off is a problem only where the worker's config enables it) and
+the bytes each holds in tier 2 (tmpfs) and tier 3 (disk); the versions of
+dask, distributed and dask-shm and every hooked distributed internal; and
+the bytes that dead processes' directories (left by a SIGKILL) hold on the
+shared-memory root and the disk root.
 """
 
 from __future__ import annotations

@@ -3,20 +3,21 @@ s, each with a fix. Problems are warnings: nothing here changes the system."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from typing import Any, NamedTuple
 
 from dask.utils import format_bytes
 
 from dask_shm.info.facts import PLUGIN_NAME, HostInfo
+from dask_shm.shared.limits import SMALL_ROOT_ADVICE, small_root_message
+from dask_shm.shared.paths import NOT_TMPFS_ADVICE, NOT_WRITABLE_ADVICE, READ_ONLY_ADVICE
 from dask_shm.shared.store import mapped_values_bound
 
 #: Below this soft RLIMIT_NOFILE a warning is given.
 MIN_OPEN_FILES = 4096
-#: Free space on the root below max(this, MIN_FREE_FRACTION of RAM) is a warning.
-MIN_FREE_BYTES = 2**30
-MIN_FREE_FRACTION = 0.1
 #: Size of a shared value assumed when estimating how many mappings a worker
 #: needs: small for Dask chunks (``array.chunk-size`` is 128 MiB), so the
 #: estimate errs on the side of warning.
@@ -29,7 +30,8 @@ class Problem(NamedTuple):
     """Something that keeps shared-memory mode from working (well), and how
     to fix it. ``kind`` is a stable identifier for programs and tests:
     ``root-missing``, ``root-not-directory``, ``root-not-tmpfs``,
-    ``root-filesystem-unknown``, ``root-not-writable``, ``root-low-space``,
+    ``root-filesystem-unknown``, ``root-read-only``, ``root-not-writable``,
+    ``root-low-space`` (as small as the worker warns about: tier 3 takes over),
     ``user-directory``, ``open-files``, ``max-map-count``, ``platform``,
     ``config``, ``scheduler``, ``no-workers``, ``plugin``, ``worker-check``,
     ``distributed-hooks``."""
@@ -39,20 +41,18 @@ class Problem(NamedTuple):
     kind: str = ""
 
 
-def _hook_problems() -> list[Problem]:
-    import distributed
-
-    from dask_shm.compat import missing_hooks
-
+def _hook_problems(info: HostInfo) -> list[Problem]:
+    version = info.versions.get("distributed", "unknown")
     return [
         Problem(
-            f"distributed {distributed.__version__} lacks {hook.where}, which dask-shm hooks: "
+            f"distributed {version} lacks {hook.where}, which dask-shm hooks: "
             f"{hook.used_by} will not work",
             "install a distributed version within the range dask-shm declares "
             "(`pip install dask-shm` resolves one) or upgrade dask-shm",
             "distributed-hooks",
         )
-        for hook in missing_hooks()
+        for hook in info.hooks
+        if not hook.present
     ]
 
 
@@ -103,9 +103,9 @@ def _env_var(key: str) -> str:
 
 def find_problems(info: HostInfo) -> list[Problem]:
     """The problems in ``info``'s facts, each with a fix, in a stable order."""
-    problems: list[Problem] = _hook_problems()
+    problems: list[Problem] = _hook_problems(info)
     add = problems.append
-    set_root = "or set shm.shared-memory.root to a directory on a tmpfs such as /dev/shm"
+    set_root = "or " + NOT_TMPFS_ADVICE
 
     if not info.is_linux:
         add(
@@ -147,38 +147,30 @@ def find_problems(info: HostInfo) -> list[Problem]:
                     )
                 )
         elif not info.on_tmpfs:
+            # Not "mount a tmpfs there": it may be /tmp, where tier 3 lives.
             add(
                 Problem(
                     f"the shared-memory root {root} is on {info.fs_type} (mounted on "
-                    f"{info.mount_point}), not on a tmpfs: spilled values would be written "
-                    "to disk and mapping them shares nothing in RAM",
-                    f"mount a tmpfs there (`mount -t tmpfs -o size=50% tmpfs {root}` as "
-                    f"root) {set_root}",
+                    f"{info.mount_point}), not a tmpfs: a worker refuses it and spills "
+                    "privately (to disk)",
+                    f"{NOT_TMPFS_ADVICE} (check it with `dask shm info --root /dev/shm`)",
                     "root-not-tmpfs",
                 )
             )
         if info.writable is False:
+            add(_unwritable(info))
+        budget = info.limits["budget"] if info.limits is not None else None
+        if info.writable and info.on_tmpfs and budget is not None and budget["small_root"]:
+            # The worker's own warning and advice (shared/plugin.py).
+            free = (info.limits or {}).get("tmpfs") or {}
             add(
                 Problem(
-                    f"cannot create files in the shared-memory root {root} ({info.writable_error})",
-                    f"make it writable for this user (e.g. `chmod 1777 {root}` as root, like "
-                    f"/dev/shm) {set_root}",
-                    "root-not-writable",
+                    small_root_message(root, free.get("free", info.free_bytes or 0))
+                    + f"; a worker's tier-2 budget is {format_bytes(budget['limit'])}",
+                    f"to share more in memory, {SMALL_ROOT_ADVICE}",
+                    "root-low-space",
                 )
             )
-        if info.free_bytes is not None and info.memory_total is not None:
-            threshold = max(MIN_FREE_BYTES, int(MIN_FREE_FRACTION * info.memory_total))
-            if info.free_bytes < threshold:
-                add(
-                    Problem(
-                        f"only {format_bytes(info.free_bytes)} free on {root} (less than "
-                        f"{format_bytes(threshold)}: {MIN_FREE_FRACTION:.0%} of RAM, at least "
-                        f"{format_bytes(MIN_FREE_BYTES)}); spilling there will fail early",
-                        f"remove stale files there, enlarge the tmpfs (`mount -o remount,"
-                        f"size=50% {info.mount_point or root}` as root) {set_root}",
-                        "root-low-space",
-                    )
-                )
         if info.user_dir_problem:
             add(
                 Problem(
@@ -272,20 +264,51 @@ def find_problems(info: HostInfo) -> list[Problem]:
                     "worker-check",
                 )
             )
-        without = [w for w in info.workers if w.plugin_active is False]
+        # Off is a problem only where the worker's config asked for it
+        # (shm.shared-memory.enabled: true): then the worker fell back.
+        without = [w for w in info.workers if w.plugin_active is False and w.requested]
         if without:
             add(
                 Problem(
-                    f"{len(without)} of {len(info.workers)} worker(s) do not have the "
-                    f"shared-memory plugin ({PLUGIN_NAME}) active: "
-                    f"{_some(w.address for w in without)}",
-                    "start the workers with `--preload dask_shm` and "
-                    "shm.shared-memory.enabled: true (e.g. "
-                    "DASK_SHM__SHARED_MEMORY__ENABLED=True)",
+                    f"{len(without)} of {len(info.workers)} worker(s) have "
+                    "shm.shared-memory.enabled: true but not the shared-memory plugin "
+                    f"({PLUGIN_NAME}) active: {_some(w.address for w in without)}",
+                    "start the workers with `--preload dask_shm` (or "
+                    "distributed.worker.preload: [dask_shm]); if they have it, their log "
+                    "says why they spill privately (a WARNING from dask_shm)",
                     "plugin",
                 )
             )
     return problems
+
+
+def _unwritable(info: HostInfo) -> Problem:
+    """The problem of a root no file can be created in, told apart by cause."""
+    root, why = info.root, info.writable_error
+    if info.writable_errno == errno.EROFS:
+        return Problem(
+            f"the shared-memory root {root} is on a read-only file system (mounted on "
+            f"{info.mount_point}; {why})",
+            READ_ONLY_ADVICE.replace("<mount point>", info.mount_point or root),
+            "root-read-only",
+        )
+    if info.writable_errno in (errno.EACCES, errno.EPERM):
+        try:
+            st = os.stat(root)
+            owner = f"owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}"
+        except OSError:
+            owner = "owner unknown"
+        return Problem(
+            f"this user (uid {os.geteuid()}) may not create files in the shared-memory root "
+            f"{root} ({owner}; {why})",
+            NOT_WRITABLE_ADVICE.replace("<root>", root),
+            "root-not-writable",
+        )
+    return Problem(
+        f"cannot create files in the shared-memory root {root} ({why})",
+        f"fix the cause above or {NOT_TMPFS_ADVICE}",
+        "root-not-writable",
+    )
 
 
 def _some(items: Any, limit: int = 5) -> str:

@@ -6,8 +6,8 @@ import click
 
 HELP = """\
 Report the shared-memory root, limits, config and (with --scheduler) the
-workers' shared-memory plugin, with a fix for each problem found. Problems are
-warnings: the exit code is 0.
+workers' shared-memory plugin and bytes per tier, with a fix for each problem
+found. Exit status 1 when a problem is reported, else 0.
 """
 
 
@@ -27,7 +27,8 @@ warnings: the exit code is 0.
     "--scheduler",
     metavar="ADDRESS",
     default=None,
-    help="also ask this scheduler's workers whether the shared-memory plugin is active",
+    help="also ask this scheduler's workers whether the shared-memory plugin is active "
+    "and how many bytes they hold in each tier",
 )
 @click.option(
     "--timeout",
@@ -37,7 +38,22 @@ warnings: the exit code is 0.
     metavar="SECONDS",
     help="how long to try connecting to the scheduler",
 )
-def info(root: str | None, scheduler: str | None, timeout: float) -> None:
-    from dask_shm.info import collect_info, format_info
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="print the same facts and problems as one JSON object",
+)
+def info(root: str | None, scheduler: str | None, timeout: float, as_json: bool) -> None:
+    import json
 
-    click.echo(format_info(collect_info(root, scheduler, timeout=timeout)))
+    from dask_shm.info import collect_info, format_info
+    from dask_shm.info.render import as_json as json_data
+
+    found = collect_info(root, scheduler, timeout=timeout)
+    if as_json:
+        click.echo(json.dumps(json_data(found), indent=2, default=str))
+    else:
+        click.echo(format_info(found))
+    if found.problems:
+        raise SystemExit(1)

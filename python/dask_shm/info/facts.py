@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import errno
 import os
 import platform
 import tempfile
@@ -57,6 +58,25 @@ class WorkerInfo:
     #: Class of the worker's ``data`` mapping, e.g. ``dask_shm.spill.SpillBuffer``.
     data_class: str | None
     error: str | None = None
+    #: ``shm.shared-memory.enabled`` in the worker's config: whether anything
+    #: asked for the plugin (None: unknown or invalid there).
+    requested: bool | None = None
+    #: What the worker publishes in ``get_metrics()["shm"]``
+    #: (:func:`dask_shm.shared.metrics.shm_metrics`): bytes in tier 2
+    #: (``shared_bytes``, tmpfs), tier 3 (``disk_bytes``) and the tier-2
+    #: budget; None when the worker publishes none (plugin off).
+    tier2_bytes: int | None = None
+    tier3_bytes: int | None = None
+    tier2_budget: int | None = None
+
+
+class HookStatus(NamedTuple):
+    """One distributed internal dask-shm hooks (:data:`dask_shm.compat.HOOKS`)
+    and whether this distributed has it."""
+
+    where: str
+    used_by: str
+    present: bool
 
 
 class DeadFiles(NamedTuple):
@@ -96,7 +116,8 @@ class HostInfo:
     #: Size of and space available to this user on the root's filesystem.
     total_bytes: int | None
     free_bytes: int | None
-    #: Whether a file could be created in the root (None: not tried).
+    #: Whether a file could be created in the root (None: not tried), and
+    #: if not, why (message and errno: EROFS, EACCES, ...).
     writable: bool | None
     writable_error: str | None
     #: ``<root>/dask-shm-<uid>`` and what keeps dask-shm from using it ("" if
@@ -126,6 +147,11 @@ class HostInfo:
     scheduler_error: str | None = None
     workers: list[WorkerInfo] = field(default_factory=list)
     problems: list[Any] = field(default_factory=list)
+    writable_errno: int | None = None
+    #: Versions of dask, distributed and dask-shm ("unknown" if unreadable).
+    versions: dict[str, str] = field(default_factory=dict)
+    #: Every distributed internal dask-shm hooks, present or not.
+    hooks: list[HookStatus] = field(default_factory=list)
 
 
 def configured_root() -> str:
@@ -140,14 +166,42 @@ def configured_root() -> str:
         return str(DEFAULTS["shm"]["shared-memory"]["root"])
 
 
-def _probe_writable(directory: str) -> tuple[bool, str | None]:
+def _probe_writable(directory: str) -> tuple[bool, str | None, int | None]:
+    """(writable, why not, errno) from creating and removing an empty file."""
     try:
         fd, path = tempfile.mkstemp(prefix=".dask-shm-info-", dir=directory)
     except OSError as e:
-        return False, f"{type(e).__name__}: {e.strerror or e}"
+        name = errno.errorcode.get(e.errno or 0, type(e).__name__)
+        return False, f"{name}: {e.strerror or e}", e.errno
     os.close(fd)
     os.unlink(path)
-    return True, None
+    return True, None, None
+
+
+def versions() -> dict[str, str]:
+    """Versions of dask, distributed and dask-shm (the package, else the
+    extension's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("dask", "distributed", "dask-shm"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "unknown"
+    if found["dask-shm"] == "unknown":
+        import dask_shm
+
+        found["dask-shm"] = str(getattr(dask_shm, "__version__", "unknown"))
+    return found
+
+
+def hook_status() -> list[HookStatus]:
+    """Every hooked distributed internal and whether it is present."""
+    from dask_shm.compat import HOOKS, missing_hooks
+
+    missing = {hook.where for hook in missing_hooks()}
+    return [HookStatus(h.where, h.used_by, h.where not in missing) for h in HOOKS]
 
 
 def _open_files_limit() -> OpenFilesLimit | None:
@@ -216,10 +270,15 @@ def dead_files(tier: str, root: str) -> DeadFiles:
 def _worker_report(dask_worker: Any) -> dict[str, Any]:
     """Run on each worker by :func:`ask_workers`."""
     data = dask_worker.data
+    requested = dask.config.get("shm.shared-memory.enabled", default=None)
+    published = dask_worker.metrics.get("shm")
+    figures = published(dask_worker) if callable(published) else None
     return {
         "plugin_active": PLUGIN_NAME in dask_worker.plugins
         or PLUGIN_NAME in preloaded_plugins(dask_worker),
         "data_class": f"{type(data).__module__}.{type(data).__qualname__}",
+        "requested": requested if isinstance(requested, bool) else None,
+        "metrics": figures,
     }
 
 
@@ -256,7 +315,19 @@ def ask_workers(address: str, timeout: float) -> tuple[str | None, list[WorkerIn
             error = f"{type(result).__name__}: {result}"
             workers.append(WorkerInfo(worker, None, None, error))
         else:
-            workers.append(WorkerInfo(worker, result["plugin_active"], result["data_class"]))
+            figures = result.get("metrics") or {}
+            figure = {k: int(v) for k, v in figures.items()}.get
+            workers.append(
+                WorkerInfo(
+                    worker,
+                    result["plugin_active"],
+                    result["data_class"],
+                    requested=result.get("requested"),
+                    tier2_bytes=figure("shared_bytes"),
+                    tier3_bytes=figure("disk_bytes"),
+                    tier2_budget=figure("tier2_budget"),
+                )
+            )
     return None, workers
 
 
@@ -279,6 +350,7 @@ def gather_facts(
     total = free = None
     writable: bool | None = None
     writable_error: str | None = None
+    writable_errno: int | None = None
     user_dir: str | None = None
     user_problem = ""
     if is_dir:
@@ -287,7 +359,7 @@ def gather_facts(
             total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
         except OSError:
             pass
-        writable, writable_error = _probe_writable(root)
+        writable, writable_error, writable_errno = _probe_writable(root)
         if hasattr(os, "geteuid"):
             user_dir = user_dir_path(root)
             user_problem = user_dir_problem(user_dir)
@@ -320,6 +392,9 @@ def gather_facts(
         settings=settings,
         config_errors=config_errors,
         scheduler_address=scheduler_address,
+        writable_errno=writable_errno,
+        versions=versions(),
+        hooks=hook_status(),
     )
     if is_linux and is_dir:
         try:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
 
+import yaml
 from dask.utils import format_bytes
 
 from dask_shm.info.checks import TYPICAL_VALUE_BYTES, expected_mappings, worker_map_budget
-from dask_shm.info.facts import HostInfo
+from dask_shm.info.facts import HostInfo, WorkerInfo
 
 
 def _bytes(value: int | None) -> str:
@@ -28,8 +30,45 @@ def _flatten(config: Mapping[str, Any], prefix: str = "shm") -> list[tuple[str, 
     return items
 
 
+def plain(value: Any) -> str:
+    """A config value as it would be written in YAML (``true``, ``null``,
+    ``5 s``, ``[a, b]``), not as a Python repr."""
+    if isinstance(value, str):
+        return value if value else "''"
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6)
+    return text.removesuffix("\n...\n").strip()
+
+
 def _yes(value: bool | None) -> str:
     return "unknown" if value is None else ("yes" if value else "no")
+
+
+def _worker_state(w: WorkerInfo) -> str:
+    if w.plugin_active:
+        state = "shared-memory plugin active"
+    elif w.requested:
+        state = "shared-memory plugin NOT active though shm.shared-memory.enabled is true"
+    else:
+        state = "shared-memory plugin off (shm.shared-memory.enabled is false there)"
+    if w.tier2_bytes is not None:
+        state += (
+            f"; tier 2 (tmpfs) {format_bytes(w.tier2_bytes)} of "
+            f"{_bytes(w.tier2_budget)} budget, tier 3 (disk) {_bytes(w.tier3_bytes)}"
+        )
+    return f"{state}; data {w.data_class}"
+
+
+def as_json(info: HostInfo) -> dict[str, Any]:
+    """The facts and problems of ``info`` as JSON-able data: every field of
+    :class:`HostInfo` (``problems`` as ``{message, fix, kind}`` objects,
+    ``settings`` as an object or null), plus ``ok`` (no problems)."""
+    data = dataclasses.asdict(info)
+    data["open_files"] = None if info.open_files is None else info.open_files._asdict()
+    data["dead_files"] = [d._asdict() for d in info.dead_files]
+    data["hooks"] = [h._asdict() for h in info.hooks]
+    data["problems"] = [p._asdict() for p in info.problems]
+    data["ok"] = not info.problems
+    return data
 
 
 def format_info(info: HostInfo) -> str:
@@ -50,6 +89,15 @@ def format_info(info: HostInfo) -> str:
         "(MemTotal - MemAvailable - per-CPU free lists; tmpfs data counts as used)"
     )
     section("Host", [("platform", f"{info.platform} ({platform_note})"), ("memory", memory)])
+
+    section("Versions", list(info.versions.items()))
+    section(
+        "Distributed internals dask-shm hooks",
+        [
+            ("present" if hook.present else "MISSING", f"{hook.where} ({hook.used_by})")
+            for hook in info.hooks
+        ],
+    )
 
     rows = [("path", info.root)]
     if info.root_realpath != info.root:
@@ -128,7 +176,7 @@ def format_info(info: HostInfo) -> str:
         )
     section("Limits", limit_rows)
 
-    rows = [(key, repr(value)) for key, value in _flatten(info.config)]
+    rows = [(key, plain(value)) for key, value in _flatten(info.config)]
     if info.settings is not None:
         s = info.settings
         rows.append(
@@ -152,8 +200,7 @@ def format_info(info: HostInfo) -> str:
                 if w.error is not None:
                     rows.append((w.address, f"could not check: {w.error}"))
                 else:
-                    plugin = "active" if w.plugin_active else "not active"
-                    rows.append((w.address, f"plugin {plugin}, data {w.data_class}"))
+                    rows.append((w.address, _worker_state(w)))
         section(f"Scheduler {info.scheduler_address}", rows)
 
     lines.append("")

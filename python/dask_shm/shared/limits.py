@@ -42,6 +42,16 @@ SMALL_ROOT_ADVICE = (
     "or set shm.shared-memory.root to a larger tmpfs"
 )
 
+
+def small_root_message(root: str, free: int) -> str:
+    """What a worker logs (WARNING) and ``dask shm info`` reports for a root
+    whose budget is ``small_root``: tier 3 takes over, nothing fails."""
+    return (
+        f"the shared-memory root {root} has only {free >> 20} MiB free; spilled data "
+        "beyond that goes to disk (tier 3)"
+    )
+
+
 _UNLIMITED_V1 = 2**62  # v1 reports "no limit" as a huge page-rounded number
 
 

@@ -86,6 +86,31 @@ class UnusableRoot(Exception):
     """The shared-memory root cannot be used; the message says why and how to fix it."""
 
 
+#: What to do about a root that is not on a tmpfs (worker warning and
+#: ``dask shm info``). Not "mount a tmpfs there": the directory may be /tmp,
+#: where tier 3 (disk) lives by default.
+NOT_TMPFS_ADVICE = "set shm.shared-memory.root to a tmpfs such as /dev/shm"
+#: What to do about a root on a read-only file system (EROFS).
+READ_ONLY_ADVICE = (
+    "remount it read-write (`mount -o remount,rw <mount point>` as root; in a "
+    "container, do not mount it read-only) or set shm.shared-memory.root to a "
+    "writable tmpfs such as /dev/shm"
+)
+#: What to do about a root this user may not create files in (EACCES).
+NOT_WRITABLE_ADVICE = (
+    "make it writable for this user (`chmod 1777 <root>` as root, like /dev/shm) "
+    "or set shm.shared-memory.root to a writable tmpfs such as /dev/shm"
+)
+
+
+def is_read_only(path: str) -> bool:
+    """Whether ``path``'s file system is mounted read-only (statvfs ST_RDONLY)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def check_root(root: str) -> None:
     """Raise :class:`UnusableRoot` unless ``root`` is an existing, writable
     directory on a tmpfs of a Linux host."""
@@ -104,10 +129,16 @@ def check_root(root: str) -> None:
         fstype = filesystem_type(root)
         raise UnusableRoot(
             f"shared-memory root {root} is on {fstype or 'an unknown file system'}, not tmpfs; "
-            "mount a tmpfs there or set shm.shared-memory.root to /dev/shm"
+            + NOT_TMPFS_ADVICE
         )
     if not os.access(root, os.W_OK | os.X_OK):
-        raise UnusableRoot(f"shared-memory root {root} is not writable by this user")
+        if is_read_only(root):
+            raise UnusableRoot(
+                f"shared-memory root {root} is on a read-only file system; {READ_ONLY_ADVICE}"
+            )
+        raise UnusableRoot(
+            f"shared-memory root {root} is not writable by this user; {NOT_WRITABLE_ADVICE}"
+        )
     _check_user_dir(os.path.join(root, f"dask-shm-{os.geteuid()}"))
 
 

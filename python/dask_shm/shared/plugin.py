@@ -181,10 +181,8 @@ def _warn_small_root(root: str, budget: limits.Budget) -> None:
     if budget.small_root and not _warned_small_root:
         _warned_small_root = True
         logger.warning(
-            "dask-shm: the shared-memory root %s has only %d MiB free; spilled data "
-            "beyond that goes to disk (tier 3). To share more in memory, %s.",
-            root,
-            limits.tmpfs_space(root).free >> 20,
+            "dask-shm: %s. To share more in memory, %s.",
+            limits.small_root_message(root, limits.tmpfs_space(root).free),
             limits.SMALL_ROOT_ADVICE,
         )
 

@@ -1,0 +1,266 @@
+"""``dask shm info`` says what the worker does and says: fixes by cause on real
+roots (a 64 MiB tmpfs, a read-only tmpfs, /tmp), exit status, ``--json``,
+versions and hooks, plain config values, and bytes per tier of a real
+cluster's workers. Every root is a mount of its own, never the host's
+/dev/shm (whose state belongs to others)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import dask
+import dask.config
+import distributed
+import numpy as np
+import pytest
+from dask.utils import format_bytes
+from distributed import Client, LocalCluster
+from tmpfs import small_tmpfs
+
+from dask_shm import SharedMemoryPlugin
+from dask_shm._core import is_ram_backed
+from dask_shm.compat import HOOKS
+from dask_shm.info import collect_info, format_info
+from dask_shm.shared import limits, paths, plugin
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux (tmpfs)")
+
+ROOT_KINDS = {
+    "root-missing",
+    "root-not-directory",
+    "root-not-tmpfs",
+    "root-read-only",
+    "root-not-writable",
+    "root-low-space",
+}
+
+
+def run_info(*args: str) -> subprocess.CompletedProcess[str]:
+    """``dask shm info`` in a fresh process, with no ``shm.*`` environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_SHM__")}
+    return subprocess.run(
+        [sys.executable, "-m", "dask_shm", "info", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def problems_in(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("- ")]
+
+
+@pytest.fixture
+def roomy_tmpfs() -> Iterator[str]:
+    """A tmpfs large enough that nothing about it is a problem."""
+    with small_tmpfs("1g") as path:
+        yield path
+
+
+def test_small_root_says_tier_3_takes_over_as_the_worker_does(caplog, monkeypatch):
+    with small_tmpfs("64m") as root:
+        proc = run_info("--root", root)
+        assert proc.returncode == 1, proc.stderr
+        [line] = [p for p in problems_in(proc.stdout) if root in p]
+        assert "goes to disk (tier 3)" in line
+        assert "fail" not in proc.stdout and "remount" not in proc.stdout
+        assert f"fix: to share more in memory, {limits.SMALL_ROOT_ADVICE}" in proc.stdout
+        assert "--shm-size" in proc.stdout
+
+        # The worker on the same root: the same facts and the same advice.
+        monkeypatch.setattr(plugin, "_warned_small_root", False)
+        caplog.set_level(logging.WARNING, logger="dask_shm")
+        with (
+            dask.config.set({"shm.shared-memory.enabled": True}),
+            LocalCluster(
+                n_workers=1, processes=False, dashboard_address=":0", silence_logs=False
+            ) as cluster,
+            Client(cluster) as client,
+        ):
+            client.register_plugin(SharedMemoryPlugin(root))
+        [warning] = [r.getMessage() for r in caplog.records if "tier 3" in r.getMessage()]
+        said = line.removeprefix("- ").split("; a worker's")[0]
+        assert "goes to disk (tier 3)" in said
+        assert said in warning
+        assert limits.SMALL_ROOT_ADVICE in warning
+
+
+def test_read_only_root_is_told_apart_from_permissions_once():
+    with small_tmpfs("64m", read_only=True) as root:
+        proc = run_info("--root", root)
+        assert proc.returncode == 1, proc.stderr
+        out = proc.stdout
+        [line] = problems_in(out)  # one cause, said once
+        assert "read-only file system" in line and "EROFS" in line
+        assert "chmod" not in out
+        assert f"mount -o remount,rw {root}" in out
+        info = collect_info(root)
+        assert [p.kind for p in info.problems if p.kind in ROOT_KINDS] == ["root-read-only"]
+        # The worker's refusal names the same cause.
+        with pytest.raises(paths.UnusableRoot, match="read-only file system"):
+            paths.check_root(root)
+
+
+def _info_as(uid: int, root: str) -> dict:
+    """``collect_info(root)`` judged as ``uid`` (a forked child that drops
+    its effective ids; Python itself lives where that uid cannot read)."""
+    from dask_shm.info.render import as_json
+
+    collect_info(root)  # import everything it needs while still root
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(read)
+            os.setegid(uid)
+            os.seteuid(uid)
+            with os.fdopen(write, "w") as out:
+                json.dump(as_json(collect_info(root)), out, default=str)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return json.loads(text)
+
+
+def test_root_without_write_permission_suggests_chmod(roomy_tmpfs):
+    locked = os.path.join(roomy_tmpfs, "locked")
+    os.mkdir(locked, 0o755)
+    nobody = 65534
+    data = _info_as(nobody, locked)
+    found = {p["kind"]: p for p in data["problems"]}
+    assert "root-read-only" not in found
+    problem = found["root-not-writable"]
+    assert "EACCES" in problem["message"] and f"uid {nobody}" in problem["message"]
+    assert f"chmod 1777 {locked}" in problem["fix"]
+
+
+def test_tmp_root_is_not_told_to_get_a_tmpfs_mounted_over_it():
+    if is_ram_backed("/tmp"):
+        pytest.skip("/tmp is a tmpfs here")
+    proc = run_info("--root", "/tmp")  # where tier 3 lives by default
+    assert proc.returncode == 1, proc.stderr
+    [line] = problems_in(proc.stdout)
+    assert "/tmp" in line and "not a tmpfs" in line
+    fix = proc.stdout.split("Problems:")[1].split("fix: ")[1]
+    assert "mount" not in fix
+    assert fix.startswith("set shm.shared-memory.root to a tmpfs such as /dev/shm")
+    with pytest.raises(paths.UnusableRoot) as refused:
+        paths.check_root("/tmp")
+    assert "mount" not in str(refused.value).split("not tmpfs")[1]
+    assert paths.NOT_TMPFS_ADVICE in str(refused.value)
+
+
+def test_healthy_root_exits_0_with_versions_hooks_and_plain_config(roomy_tmpfs):
+    proc = run_info("--root", roomy_tmpfs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.rstrip().endswith("No problems found.")
+    assert f"dask:        {dask.__version__}" in out
+    assert f"distributed: {distributed.__version__}" in out
+    assert "dask-shm:    " in out
+    for hook in HOOKS:
+        assert f"present: {hook.where}" in out
+    config = out.split("\nConfig\n")[1].split("\n\n")[0]
+    assert "  shm.amm:" in config and config.split("  shm.amm:")[1].split("\n")[0].strip() == "true"
+    assert "shm.shared-memory.disk-root:" in config
+    assert config.split("shm.shared-memory.disk-root:")[1].split("\n")[0].strip() == "null"
+    assert "'" not in config and "True" not in config and "None" not in config
+
+
+def test_json_has_the_same_facts_and_the_same_exit_status(roomy_tmpfs):
+    healthy = run_info("--root", roomy_tmpfs, "--json")
+    assert healthy.returncode == 0, healthy.stderr
+    data = json.loads(healthy.stdout)
+    assert data["ok"] is True and data["problems"] == []
+    assert data["root"] == roomy_tmpfs and data["fs_type"] == "tmpfs"
+    assert data["versions"]["distributed"] == distributed.__version__
+    assert [h["where"] for h in data["hooks"]] == [h.where for h in HOOKS]
+    assert all(h["present"] for h in data["hooks"])
+    assert data["config"]["shared-memory"]["enabled"] is False
+
+    with small_tmpfs("64m", read_only=True) as root:
+        broken = run_info("--root", root, "--json")
+        text = run_info("--root", root)
+    assert broken.returncode == text.returncode == 1
+    data = json.loads(broken.stdout)
+    assert data["ok"] is False
+    assert [p["kind"] for p in data["problems"]] == ["root-read-only"]
+    [problem] = data["problems"]
+    assert f"- {problem['message']}\n  fix: {problem['fix']}" in text.stdout
+
+
+def _fill_and_evict(dask_worker) -> int:
+    """Move everything the worker holds to its spill tiers."""
+    moved = 0
+    while dask_worker.data.fast:
+        dask_worker.data.evict()
+        moved += 1
+    return moved
+
+
+def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy_tmpfs):
+    with LocalCluster(
+        n_workers=1,
+        processes=False,
+        protocol="tcp",  # reachable from another process
+        dashboard_address=":0",
+        silence_logs=logging.ERROR,
+    ) as cluster:
+        # Nothing asked for shared memory: the plugin being off is no problem.
+        proc = run_info("--root", roomy_tmpfs, "--scheduler", cluster.scheduler_address)
+        assert proc.returncode == 0, proc.stdout
+        [worker] = cluster.workers.values()
+        assert f"{worker.address}: shared-memory plugin off (shm.shared-memory.enabled" in (
+            proc.stdout
+        )
+
+        # Asked for but not active (the worker fell back): a problem.
+        with dask.config.set({"shm.shared-memory.enabled": True}):
+            info = collect_info(roomy_tmpfs, cluster.scheduler_address)
+        [problem] = [p for p in info.problems if p.kind == "plugin"]
+        assert worker.address in problem.message
+        assert "shm.shared-memory.enabled: true" in problem.message
+
+    budget = 3 * 2**20
+    with (
+        dask.config.set({"shm.shared-memory.enabled": True, "shm.shared-memory.max-bytes": budget}),
+        LocalCluster(
+            n_workers=1,
+            processes=False,
+            protocol="tcp",
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(SharedMemoryPlugin(roomy_tmpfs))
+        futures = [client.submit(np.full, 2**18, i, key=f"info-x{i}") for i in range(4)]
+        client.gather(futures)
+        client.run(_fill_and_evict)
+        info = collect_info(roomy_tmpfs, cluster.scheduler_address)
+        [w] = info.workers
+        assert w.plugin_active and w.requested
+        assert w.tier2_budget == budget
+        # 4 x 2 MiB spilled, a 3 MiB budget: one file in tier 2, the rest on disk.
+        assert 2 * 2**20 <= w.tier2_bytes <= budget
+        assert w.tier3_bytes >= 6 * 2**20
+        assert w.tier2_bytes + w.tier3_bytes >= 8 * 2**20
+        text = format_info(info)
+        assert (
+            f"tier 2 (tmpfs) {format_bytes(w.tier2_bytes)} of {format_bytes(budget)} budget, "
+            f"tier 3 (disk) {format_bytes(w.tier3_bytes)}"
+        ) in text
+        assert "plugin" not in {p.kind for p in info.problems}
+        client.cancel(futures)
