@@ -173,9 +173,15 @@ def test_a_killed_worker_leaves_no_files_after_the_nanny_restarts_it(shm_cluster
         assert time.monotonic() < deadline, "the nanny did not restart the worker"
         time.sleep(0.2)
     client.wait_for_workers(2)
+    # The plugin is set up on the new worker once it has registered; its
+    # setup removes the dead worker's directory before the buffer exists.
+    while True:
+        kinds = client.run(lambda dask_worker: getattr(dask_worker.data, "shared", False))
+        if list(kinds.values()) == [True, True]:
+            break
+        assert time.monotonic() < deadline, "the new worker did not get shared memory"
+        time.sleep(0.2)
     assert not os.path.exists(directory)
-    kinds = client.run(lambda dask_worker: dask_worker.data.shared)
-    assert list(kinds.values()) == [True, True]
 
 
 def test_config_alone_turns_it_on_in_worker_processes():
