@@ -36,6 +36,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from dask_shm._core import is_ram_backed
@@ -430,13 +432,33 @@ class Reclaim:
     bytes: int
 
 
+@contextmanager
+def _sweeping(base: str) -> Iterator[None]:
+    """Hold the sweep lock of the user directory ``base`` (an exclusive flock
+    on the directory itself; waits for another process's sweep to end). A
+    process sizing its budget from the free space after its own sweep then
+    sees what a concurrent sweep removed: removing is done when it returns.
+    Nothing if ``base`` does not exist."""
+    try:
+        fd = os.open(base, _DIR_FLAGS)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _reclaim(base: str, *, remove: bool) -> Reclaim:
     """Find (and with ``remove``, remove) the directories of dead processes in
-    the user directory ``base``, never this process's own. Their locks are
-    held from the check to the end, so no process sweeping at the same time
-    counts or removes them twice."""
+    the user directory ``base``, never this process's own. One process sweeps
+    a user directory at a time (:func:`_sweeping`), and the dead directories'
+    locks are held from the check to the end, so nothing is counted or
+    removed twice."""
     held: list[tuple[str, int]] = []
-    with _held_lock:
+    with _held_lock, _sweeping(base):
         own = _current(base)
         try:
             try:
