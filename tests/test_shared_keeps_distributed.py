@@ -63,7 +63,12 @@ async def test_a_client_that_refuses_pickle_gets_no_pickle(c, s, a, b, direct):
         await c.gather(z, direct=direct)
 
 
-@gen_cluster(client=True, config=SHARED_BY_CONFIG, worker_kwargs={"memory_limit": "1 GiB"})
+@gen_cluster(
+    client=True,
+    # The AMM would drop a's replica of x once b has one: a's file with it.
+    config={**SHARED_BY_CONFIG, "distributed.scheduler.active-memory-manager.start": False},
+    worker_kwargs={"memory_limit": "1 GiB"},
+)
 async def test_the_preload_lists_no_plugin_and_still_tears_down_on_close(c, s, a, b):
     assert _shared_mode(a) == (True, [])
     assert await c.run(_shared_mode) == {a.address: (True, []), b.address: (True, [])}
