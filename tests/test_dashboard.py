@@ -187,3 +187,55 @@ def test_the_page_draws_each_workers_figures_in_a_browser(cluster):
         else:
             drawn = sum(colored_pixels(image, frame, last[w]["color"]) for w in (a, b))
         assert drawn >= 50, f"{plot}: {drawn} pixels of the workers' lines"
+
+
+# --- when there is no page ---------------------------------------------------------
+
+
+async def served_pages(**scheduler_kwargs: Any) -> tuple[Any, int, list[str]]:
+    """(the page object the preload set up, HTTP status of the page, nav-bar
+    pages) of a Scheduler started with the dask_shm preload."""
+    from tornado.httpclient import AsyncHTTPClient
+
+    async with Scheduler(port=0, preload=["dask_shm"], **scheduler_kwargs) as s:
+        page = preloaded_plugins(s)["shm-dashboard"]
+        if "dashboard" not in s.services:
+            return page, 0, []
+        from distributed.dashboard.scheduler import template_variables
+
+        url = f"http://127.0.0.1:{s.http_server.port}/{PAGE}"
+        response = await AsyncHTTPClient().fetch(url, raise_error=False)
+        return page, response.code, list(template_variables(s)["pages"])
+
+
+def test_a_scheduler_without_a_dashboard_gets_no_page():
+    page, _, _ = asyncio.run(served_pages(dashboard=False))
+    assert page.history is None
+
+
+def test_a_dashboard_whose_internals_moved_gets_no_page_and_a_warning(monkeypatch, caplog):
+    """A distributed whose template variables are no longer one dict per
+    scheduler (the nav bar we add to): the hook check fails, `dask shm info`
+    names it, and the scheduler serves its dashboard without our page."""
+    import inspect
+
+    import distributed.dashboard.scheduler as dashboard
+
+    from dask_shm import compat
+
+    monkeypatch.setattr(
+        dashboard, "template_variables", inspect.unwrap(dashboard.template_variables)
+    )
+    [hook] = compat.missing_hooks()
+    assert hook.used_by == "the dashboard's shared-memory page"
+    with caplog.at_level(logging.WARNING, logger="dask_shm.dashboard"):
+        page, status, pages = asyncio.run(served_pages(dashboard_address=":0"))
+    assert page.history is None and status == 404 and PAGE not in pages
+    assert "cannot take the shared-memory page" in caplog.text
+
+
+def test_the_page_is_served_by_a_scheduler_started_with_the_preload_alone():
+    """`dask scheduler --preload dask_shm`: the page is there before any
+    worker joins (its history empty)."""
+    page, status, pages = asyncio.run(served_pages(dashboard_address=":0"))
+    assert status == 200 and PAGE in pages and page.history.samples() == {}
