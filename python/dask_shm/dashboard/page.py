@@ -58,13 +58,13 @@ COLUMNS = {
 _FIELDS = ("private", "tier1", "tier2", "budget", "tier3", "link", "tcp")
 
 
-_WORKER_CELL = HTMLTemplateFormatter(
-    template='<span style="color: <%= color %>">&#9632;</span> <%= value %>'
-)
+#: The worker cell: a square of the worker's colour in the plots, then its address.
+_WORKER_CELL = '<span style="color: <%= color %>">&#9632;</span> <%= value %>'
 
 
 class ShmPage:
-    """The page's models and their update from ``history``."""
+    """The page's models and their update from ``history``. Each page load
+    builds its own (a Bokeh model belongs to one document)."""
 
     def __init__(self, history: ShmHistory, **figure_kwargs: Any):
         self.history = history
@@ -108,7 +108,9 @@ class ShmPage:
             source=self.current_source,
             # The worker's colour in the plots (no legend: the table is one).
             columns=[
-                TableColumn(field=c, title=t, formatter=_WORKER_CELL)
+                TableColumn(
+                    field=c, title=t, formatter=HTMLTemplateFormatter(template=_WORKER_CELL)
+                )
                 if c == "worker"
                 else TableColumn(field=c, title=t)
                 for c, t in COLUMNS.items()
