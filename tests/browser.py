@@ -45,7 +45,11 @@ class Page:
         self.errors: list[str] = []
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
-        """Send a DevTools command; its ``result``, or RuntimeError."""
+        """Send a DevTools command; its ``result``, or RuntimeError
+        (TimeoutError after 60 s: a browser that stopped answering)."""
+        return await asyncio.wait_for(self._call(method, params), 60)
+
+    async def _call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         self._next_id += 1
         call_id = self._next_id
         await self._conn.write_message(

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -154,20 +155,20 @@ def colored_pixels(image: Any, frame: dict[str, float], color: str) -> int:
     return int((np.abs(pixels - target).sum(axis=-1) < 90).sum())
 
 
-async def look_at_page(url: str) -> tuple[dict[str, Any], Any, list[str]]:
+async def look_at_page(url: str, screenshot: Path) -> tuple[dict[str, Any], Any, list[str]]:
     async with open_page(url, width=1400, height=1300) as page:
         await page.wait_for(PAGE_READY, timeout=60)
         await asyncio.sleep(2)  # one more update: every plot drawn with it
         seen = await page.evaluate(READ_PAGE)
         image = await page.screenshot()
-        image.save("/tmp/dask-shm-dashboard.png")
+        image.save(screenshot)  # for a person to look at
         return seen, image, page.errors
 
 
-def test_the_page_draws_each_workers_figures_in_a_browser(cluster):
+def test_the_page_draws_each_workers_figures_in_a_browser(cluster, tmp_path):
     chromium_path()
     client, a, b, url = cluster
-    seen, image, errors = asyncio.run(look_at_page(f"{url}/{PAGE}"))
+    seen, image, errors = asyncio.run(look_at_page(f"{url}/{PAGE}", tmp_path / "page.png"))
     assert errors == []
     last = seen["last"]
     assert set(last) == {a, b}
