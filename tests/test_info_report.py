@@ -249,8 +249,11 @@ def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy
         futures = [client.submit(np.full, 2**18, i, key=f"info-x{i}") for i in range(4)]
         client.gather(futures)
         client.run(_fill_and_evict)
+        kept = client.submit(np.full, 2**17, 1.0, key="info-kept")  # 1 MiB in memory
+        kept.result()
         info = collect_info(roomy_tmpfs, cluster.scheduler_address)
         [w] = info.workers
+        assert 2**20 <= w.tier1_bytes < 2 * 2**20
         assert w.plugin_active and w.requested
         assert w.tier2_budget == budget
         # 4 x 2 MiB spilled, a 3 MiB budget: one file in tier 2, the rest on disk.
@@ -259,8 +262,9 @@ def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy
         assert w.tier2_bytes + w.tier3_bytes >= 8 * 2**20
         text = format_info(info)
         assert (
+            f"tier 1 (memory) {format_bytes(w.tier1_bytes)}, "
             f"tier 2 (tmpfs) {format_bytes(w.tier2_bytes)} of {format_bytes(budget)} budget, "
             f"tier 3 (disk) {format_bytes(w.tier3_bytes)}"
         ) in text
         assert "plugin" not in {p.kind for p in info.problems}
-        client.cancel(futures)
+        client.cancel([*futures, kept])

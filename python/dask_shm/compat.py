@@ -38,12 +38,16 @@ class Hook(NamedTuple):
 
 def _code_mentions(func: object, name: str) -> bool:
     """Whether ``func``'s code (nested functions included) uses the string
-    constant or global/attribute ``name``: cheap, no source needed."""
+    constant (a dict key included) or global/attribute ``name``: cheap, no
+    source needed."""
     code = getattr(inspect.unwrap(func), "__code__", None)  # type: ignore[arg-type]
     stack = [code] if code is not None else []
     while stack:
         current = stack.pop()
         if name in current.co_names or name in current.co_consts:
+            return True
+        # the keys of a dict display are one tuple constant
+        if any(isinstance(c, tuple) and name in c for c in current.co_consts):
             return True
         stack.extend(c for c in current.co_consts if inspect.iscode(c))
     return False
@@ -96,6 +100,33 @@ def _prometheus_collectors() -> bool:
     )
 
 
+def _dashboard_page() -> bool:
+    try:
+        from distributed.dashboard import core, scheduler
+    except ImportError:
+        return True  # no bokeh, no dashboard: nothing to hook
+    from distributed.http.routing import RoutingApplication
+
+    variables = scheduler.template_variables
+    return (
+        list(inspect.signature(core.BokehApplication).parameters)[:4]
+        == ["applications", "server", "prefix", "template_variables"]
+        # memoized (toolz.memoize keeps a "cache"): one dict per scheduler
+        and "cache" in getattr(getattr(variables, "__code__", None), "co_freevars", ())
+        and _code_mentions(variables, "pages")
+        and callable(getattr(RoutingApplication, "add_application", None))
+    )
+
+
+def dashboard_hooks_present() -> bool:
+    """Whether distributed's dashboard can take dask-shm's page (the check
+    behind the dashboard entry of :data:`HOOKS`; False if it fails to run)."""
+    try:
+        return _dashboard_page()
+    except Exception:
+        return False
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         'distributed.worker.Worker.handlers["get_data"]',
@@ -122,6 +153,13 @@ HOOKS: tuple[Hook, ...] = (
         "distributed.http.{scheduler,worker}.prometheus.core.PrometheusHandler collectors",
         "per-span Prometheus series",
         _prometheus_collectors,
+    ),
+    Hook(
+        "distributed.dashboard.core.BokehApplication and "
+        'distributed.dashboard.scheduler.template_variables (memoized, its "pages" '
+        "list is every page's nav bar)",
+        "the dashboard's shared-memory page",
+        _dashboard_page,
     ),
 )
 

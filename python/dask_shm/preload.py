@@ -6,7 +6,8 @@
 installed follows the ``shm.*`` config (see ``dask-shm.yaml``):
 
 - scheduler: dask-shm's Active Memory Manager (``shm.amm``) and span extension
-  (``shm.spans``);
+  (``shm.spans``), and the dashboard's shared-memory page
+  (:mod:`dask_shm.dashboard`; when the scheduler serves a dashboard);
 - worker: with ``shm.shared-memory.enabled``, shared-memory mode
   (:class:`dask_shm.SharedMemoryPlugin`); otherwise :class:`dask_shm.SpillBuffer`
   sized from the worker's own memory limit (``shm.spill-buffer``); and the worker
@@ -82,6 +83,9 @@ async def _setup(server: Any) -> None:
             from dask_shm.spans import install_scheduler_extension as install_spans
 
             install_spans(server)
+        from dask_shm.dashboard import DashboardPage
+
+        await _add_plugin(server, DashboardPage())
         return
     shared = SharedMemorySettings.from_config().enabled
     if shared:

@@ -62,9 +62,11 @@ class WorkerInfo:
     #: asked for the plugin (None: unknown or invalid there).
     requested: bool | None = None
     #: What the worker publishes in ``get_metrics()["shm"]``
-    #: (:func:`dask_shm.shared.metrics.shm_metrics`): bytes in tier 2
-    #: (``shared_bytes``, tmpfs), tier 3 (``disk_bytes``) and the tier-2
-    #: budget; None when the worker publishes none (plugin off).
+    #: (:func:`dask_shm.shared.metrics.shm_metrics`): private bytes of values
+    #: in memory (tier 1, ``memory_bytes``), bytes in tier 2 (``shared_bytes``,
+    #: tmpfs), tier 3 (``disk_bytes``) and the tier-2 budget; None when the
+    #: worker publishes none (plugin off).
+    tier1_bytes: int | None = None
     tier2_bytes: int | None = None
     tier3_bytes: int | None = None
     tier2_budget: int | None = None
@@ -323,6 +325,7 @@ def ask_workers(address: str, timeout: float) -> tuple[str | None, list[WorkerIn
                     result["plugin_active"],
                     result["data_class"],
                     requested=result.get("requested"),
+                    tier1_bytes=figure("memory_bytes"),
                     tier2_bytes=figure("shared_bytes"),
                     tier3_bytes=figure("disk_bytes"),
                     tier2_budget=figure("tier2_budget"),

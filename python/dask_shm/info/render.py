@@ -52,7 +52,8 @@ def _worker_state(w: WorkerInfo) -> str:
         state = "shared-memory plugin off (shm.shared-memory.enabled is false there)"
     if w.tier2_bytes is not None:
         state += (
-            f"; tier 2 (tmpfs) {format_bytes(w.tier2_bytes)} of "
+            f"; tier 1 (memory) {_bytes(w.tier1_bytes)}, "
+            f"tier 2 (tmpfs) {format_bytes(w.tier2_bytes)} of "
             f"{_bytes(w.tier2_budget)} budget, tier 3 (disk) {_bytes(w.tier3_bytes)}"
         )
     return f"{state}; data {w.data_class}"

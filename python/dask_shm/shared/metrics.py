@@ -38,6 +38,7 @@ COUNTERS = (
 )
 
 _DESCRIPTIONS = {
+    "memory_bytes": "Private bytes of this worker's values in memory (tier 1)",
     "shared_bytes": "Bytes of this worker's data in shared-memory files (1/k per holder)",
     "disk_bytes": "Bytes of this worker's files in tier 3 (a real file system)",
     "tier2_budget": "Bytes of shared-memory files this worker keeps before moving to disk",
@@ -53,6 +54,8 @@ _DESCRIPTIONS = {
     "adopt_failures": "Received files that could not be linked into the spill directory",
     "receive_fallback_transfers": "Handles received but read by copy",
     "degraded_reads": "Unspills read by copy because of mapping limits",
+    "tcp_bytes": "Bytes of values sent to peers as bytes, not by hard link (distributed's "
+    "transfer_outgoing_bytes_total less link_bytes)",
 }
 
 
@@ -67,6 +70,7 @@ def shm_metrics(dask_worker: Worker) -> dict[str, float]:
     if not isinstance(data, SharedSpillBuffer):
         return out
     store = data.store
+    out["memory_bytes"] = float(data.fast.total_weight)
     out["shared_bytes"] = float(data.tier2_bytes())
     out["disk_bytes"] = float(store.tiers.disk.total()[1])
     out["tier2_budget"] = float(store.tiers.budget.limit)
@@ -77,6 +81,10 @@ def shm_metrics(dask_worker: Worker) -> dict[str, float]:
         out[name] = float(data.shm_counters[name])
     out["receive_fallback_transfers"] = float(data.shm_counters["receive_fallback_transfers"])
     out["pending_arrivals"] = float(data.pending_arrivals())
+    # distributed counts every value get_data sends, links included, by its
+    # nbytes; a link's file size may differ a little from that.
+    sent = float(getattr(dask_worker, "transfer_outgoing_bytes_total", 0))
+    out["tcp_bytes"] = max(sent - out["link_bytes"], 0.0)
     return out
 
 
