@@ -7,7 +7,7 @@ import asyncio
 import dask
 import pytest
 from distributed import Client, LocalCluster, Scheduler, Worker
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import gen_cluster, gen_test
 
 import dask_shm
 from dask_shm import SpillBuffer
@@ -69,12 +69,15 @@ def test_bad_switch_value_names_the_key(value):
         enabled("amm")
 
 
-def test_bad_switch_value_makes_the_preload_refuse_to_start_naming_the_key():
-    # distributed only logs an Exception raised by a preload; InvalidConfig is a
-    # SystemExit so that the server does not start half-configured.
+@gen_test()
+async def test_bad_switch_value_makes_the_preload_refuse_to_start_naming_the_key():
+    # distributed only logs an Exception raised by a preload; the preload makes
+    # the server's start fail instead, with InvalidConfig as the cause.
     with dask.config.set({"shm.spans": "maybe"}):
-        with pytest.raises(InvalidConfig, match="shm.spans must be true or false"):
-            asyncio.run(dask_shm.dask_setup(Scheduler.__new__(Scheduler)))
+        with pytest.raises(RuntimeError, match="Scheduler failed to start") as info:
+            await Scheduler(preload=["dask_shm"], dashboard_address=":0")
+    assert isinstance(info.value.__cause__, InvalidConfig)
+    assert "shm.spans must be true or false; got 'maybe'" in str(info.value.__cause__)
 
 
 def test_bad_shared_memory_value_stops_worker_processes_from_starting():

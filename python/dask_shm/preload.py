@@ -26,8 +26,11 @@ dask-shm): :func:`dask_teardown`, which distributed calls when the server
 closes, tears them down; :func:`preloaded_plugins` tells which are on.
 
 An invalid ``shm.*`` value stops the server from starting: distributed only
-logs exceptions raised by a preload, so :class:`InvalidConfig` (a SystemExit
-carrying the message that names the key and the accepted values) is raised.
+logs exceptions raised by a preload, so the preload makes the server's start
+fail with :class:`InvalidConfig` (naming the key, the value and what is
+accepted) as the cause (:mod:`dask_shm.startup_refusal`): ``LocalCluster()``
+raises at once, with processes or without, and ``dask worker`` /
+``dask scheduler`` exit with status 1.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dask_shm.config import SharedMemorySettings, enabled
+from dask_shm.startup_refusal import refuse_to_start
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +50,16 @@ logger = logging.getLogger(__name__)
 _preloaded: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-class InvalidConfig(SystemExit):
+class InvalidConfig(ValueError):
     """An ``shm.*`` config value is invalid; the server must not start."""
 
 
 async def dask_setup(server: Any) -> None:
     """Preload entry point (distributed awaits it while the server starts).
 
-    Raises InvalidConfig for an invalid ``shm.*`` value and TypeError for a
-    server that is not a Scheduler, Worker or Nanny.
+    For an invalid ``shm.*`` value, installs nothing and makes the server's
+    start fail with :class:`InvalidConfig` (see the module docstring). Raises
+    TypeError for a server that is not a Scheduler, Worker or Nanny.
     """
     from distributed import Nanny, Scheduler, Worker
 
@@ -66,7 +71,7 @@ async def dask_setup(server: Any) -> None:
         await _setup(server)
     except ValueError as e:
         logger.critical("dask-shm: invalid configuration: %s", e)
-        raise InvalidConfig(f"dask-shm: invalid configuration: {e}") from e
+        refuse_to_start(server, InvalidConfig(f"dask-shm: invalid configuration: {e}"))
 
 
 async def _setup(server: Any) -> None:
