@@ -7,6 +7,7 @@ Validation errors name the key and say what is accepted in the schema's words
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import os
@@ -124,6 +125,26 @@ def unknown_keys(config: object = None, prefix: str = "shm") -> list[str]:
         elif node[name].get("type") == "object":
             out.extend(unknown_keys(value, f"{prefix}.{name}"))
     return out
+
+
+def known_keys(node: dict | None = None, prefix: str = "shm") -> list[str]:
+    """Every key the schema describes under ``prefix``, sections included
+    (``shm.shared-memory``, ``shm.shared-memory.enabled``, ...)."""
+    if node is None:
+        node = _schema_of(prefix)
+    out = []
+    for name, sub in node.get("properties", {}).items():
+        key = f"{prefix}.{name}"
+        out.append(key)
+        out.extend(known_keys(sub, key))
+    return out
+
+
+def closest_known_key(key: str) -> str | None:
+    """The known key most like ``key`` (a typo's intended key), or None if
+    none is close (difflib's ratio below 0.6)."""
+    matches = difflib.get_close_matches(key.replace("_", "-"), known_keys(), n=1)
+    return matches[0] if matches else None
 
 
 def load_defaults() -> None:

@@ -13,6 +13,9 @@ installed follows the ``shm.*`` config (see ``dask-shm.yaml``):
   span extension (``shm.spans``);
 - nanny: with ``shm.shared-memory.enabled``, :class:`dask_shm.SharedMemoryNannyPlugin`.
 
+A worker also logs a warning for each ``shm.*`` key that dask-shm does not
+know (a typo), naming the closest key it knows (:func:`warn_unknown_keys`).
+
 The preload replaces stock components that the server has and never adds
 what it was built without: a scheduler or worker constructed with no
 ``"amm"`` / ``"spans"`` extension (e.g. ``extensions={}``) keeps none, and a
@@ -41,13 +44,15 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from dask_shm.config import SharedMemorySettings, enabled
+from dask_shm.config import SharedMemorySettings, closest_known_key, enabled, unknown_keys
 from dask_shm.startup_refusal import refuse_to_start
 
 logger = logging.getLogger(__name__)
 
 #: server -> {plugin name: plugin} set up by this preload, in setup order.
 _preloaded: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+#: Unknown ``shm.*`` keys this process warned about.
+_warned_unknown_keys: set[str] = set()
 
 
 class InvalidConfig(ValueError):
@@ -67,11 +72,30 @@ async def dask_setup(server: Any) -> None:
         raise TypeError(
             f"dask_shm preload runs on a Scheduler, Worker or Nanny, not {type(server).__name__}"
         )
+    if isinstance(server, Worker):
+        warn_unknown_keys()
     try:
         await _setup(server)
     except ValueError as e:
         logger.critical("dask-shm: invalid configuration: %s", e)
         refuse_to_start(server, InvalidConfig(f"dask-shm: invalid configuration: {e}"))
+
+
+def warn_unknown_keys() -> None:
+    """Log a warning for each ``shm.*`` key the schema does not know (a typo
+    such as ``shm.shared-memory.enable`` is otherwise ignored without a
+    word), naming the closest known key; once per key and process, so a
+    cluster of in-process workers says it once."""
+    for key in unknown_keys():
+        if key in _warned_unknown_keys:
+            continue
+        _warned_unknown_keys.add(key)
+        closest = closest_known_key(key)
+        logger.warning(
+            "dask-shm: unknown config key %s is ignored%s",
+            key,
+            f"; did you mean {closest}?" if closest else "",
+        )
 
 
 async def _setup(server: Any) -> None:
