@@ -4,7 +4,6 @@ the releases it is tested with."""
 from __future__ import annotations
 
 import ast
-import re
 import sys
 import tomllib
 from pathlib import Path
