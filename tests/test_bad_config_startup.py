@@ -40,8 +40,9 @@ MAX_BYTES_MESSAGE = (
 
 def run_cluster(env: dict[str, str], **options: object) -> dict:
     """``bad_config_cluster.py`` with ``env`` added to the environment; its
-    JSON result. Fails the test if it does not finish within STARTUP_LIMIT
-    (its process group is killed, worker processes included)."""
+    JSON result, with its stderr as ``"stderr"``. Fails the test if it does
+    not finish within STARTUP_LIMIT (its process group is killed, worker
+    processes included)."""
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "bad_config_cluster.py"), json.dumps(options)],
         env={**os.environ, **env},
@@ -57,7 +58,7 @@ def run_cluster(env: dict[str, str], **options: object) -> dict:
         out, err = proc.communicate()
         pytest.fail(f"LocalCluster did not finish in {STARTUP_LIMIT} s; stderr:\n{err[-3000:]}")
     assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+    return {**json.loads(out.strip().splitlines()[-1]), "stderr": err}
 
 
 @pytest.mark.parametrize("processes", [True, False], ids=["processes", "threads"])
@@ -108,3 +109,5 @@ def test_registering_a_plugin_under_a_bad_value_raises_naming_it(
     result = run_cluster(BAD_MAX_BYTES, processes=processes, register=plugin)
     assert result["started"] and not result["registered"]
     assert result["errors"] == [f"ValueError: {MAX_BYTES_MESSAGE}"]
+    # a plugin whose setup failed on the config does not fail again on close
+    assert "failed to teardown" not in result["stderr"]
