@@ -3,7 +3,6 @@ files, real mappings, real numpy handler API)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import os
 import shutil
@@ -20,7 +19,7 @@ import dask
 import numpy as np
 import pytest
 from clusters import process_cluster, worker_addresses
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import gen_cluster, gen_test
 
 from dask_shm._core import born_stats, read_peer_file
 from dask_shm.shared import born, born_store, born_worker, paths
@@ -705,14 +704,15 @@ async def test_tasks_run_on_ordinary_memory_when_the_directory_vanishes(c, s, a)
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_preload_refuses_a_bad_born_setting() -> None:
-    from distributed import Worker
+@gen_test()
+async def test_preload_refuses_a_bad_born_setting() -> None:
+    from distributed import Scheduler, Worker
 
-    from dask_shm.preload import InvalidConfig, dask_setup
+    from dask_shm.preload import InvalidConfig
 
-    worker = Worker.__new__(Worker)  # the preload only looks at the type
-    with dask.config.set(
-        {"shm.shared-memory.enabled": True, "shm.shared-memory.born-shared": "maybe"}
-    ):
-        with pytest.raises(InvalidConfig, match="born-shared"):
-            asyncio.run(dask_setup(worker))
+    config = {"shm.shared-memory.enabled": True, "shm.shared-memory.born-shared": "maybe"}
+    async with Scheduler(dashboard_address=":0") as s:
+        with dask.config.set(config), pytest.raises(RuntimeError, match="failed to start") as info:
+            await Worker(s.address, preload=["dask_shm"], memory_limit="512 MiB")
+    assert isinstance(info.value.__cause__, InvalidConfig)
+    assert "born-shared" in str(info.value.__cause__)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import dask
 import pytest
 from distributed import Client, LocalCluster, Scheduler, Worker
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster, gen_test
 
 import dask_shm
 from dask_shm import SpillBuffer
@@ -69,12 +70,15 @@ def test_bad_switch_value_names_the_key(value):
         enabled("amm")
 
 
-def test_bad_switch_value_makes_the_preload_refuse_to_start_naming_the_key():
-    # distributed only logs an Exception raised by a preload; InvalidConfig is a
-    # SystemExit so that the server does not start half-configured.
+@gen_test()
+async def test_bad_switch_value_makes_the_preload_refuse_to_start_naming_the_key():
+    # distributed only logs an Exception raised by a preload; the preload makes
+    # the server's start fail instead, with InvalidConfig as the cause.
     with dask.config.set({"shm.spans": "maybe"}):
-        with pytest.raises(InvalidConfig, match="shm.spans must be true or false"):
-            asyncio.run(dask_shm.dask_setup(Scheduler.__new__(Scheduler)))
+        with pytest.raises(RuntimeError, match="Scheduler failed to start") as info:
+            await Scheduler(preload=["dask_shm"], dashboard_address=":0")
+    assert isinstance(info.value.__cause__, InvalidConfig)
+    assert "shm.spans must be true or false; got 'maybe'" in str(info.value.__cause__)
 
 
 def test_bad_shared_memory_value_stops_worker_processes_from_starting():
@@ -142,3 +146,27 @@ async def test_shared_memory_preload_keeps_a_data_mapping_of_the_users(c, s, a):
     assert type(a.data) is dict
     assert await c.submit(lambda: 3, key="z") == 3
     assert a.data["z"] == 3
+
+
+def test_unknown_keys_are_warned_about_once_at_worker_start_naming_the_closest_key() -> None:
+    """By the dask_shm logger, once per key in a process that starts two
+    workers; the keys are otherwise ignored."""
+    config = {"shm.shared-memory.enable": True, "shm.local.warmpool": False, "shm.zzz": 1}
+    with dask.config.set(config), captured_logger("dask_shm", level=logging.WARNING) as logs:
+        asyncio.run(_start_and_close_a_worker())
+        asyncio.run(_start_and_close_a_worker())
+    lines = [line for line in logs.getvalue().splitlines() if "unknown config key" in line]
+    assert sorted(lines) == [
+        "dask-shm: unknown config key shm.local.warmpool is ignored; "
+        "did you mean shm.local.warm-pool?",
+        "dask-shm: unknown config key shm.shared-memory.enable is ignored; "
+        "did you mean shm.shared-memory.enabled?",
+        "dask-shm: unknown config key shm.zzz is ignored",
+    ]
+
+
+async def _start_and_close_a_worker() -> None:
+    async with Scheduler(dashboard_address=":0") as s:
+        async with Worker(s.address, preload=["dask_shm"], memory_limit="1 GiB") as w:
+            # the typo did not turn shared-memory mode on
+            assert type(w.data) is SpillBuffer

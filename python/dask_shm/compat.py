@@ -127,6 +127,26 @@ def dashboard_hooks_present() -> bool:
         return False
 
 
+def worker_pending_plugins_hook() -> bool:
+    """Whether ``Worker.start_unsafe`` sets up ``Worker._pending_plugins``
+    (the ``plugins=`` argument) after the preloads, raising their errors."""
+    from distributed.worker import Worker
+
+    return "_pending_plugins" in getattr(Worker, "__annotations__", {}) and _code_mentions(
+        Worker.start_unsafe, "_pending_plugins"
+    )
+
+
+def nanny_instantiate_hook() -> bool:
+    """Whether ``Nanny.start_unsafe`` starts the worker process with
+    ``self.instantiate()`` after the preloads."""
+    from distributed.nanny import Nanny
+
+    return callable(getattr(Nanny, "instantiate", None)) and _code_mentions(
+        Nanny.start_unsafe, "instantiate"
+    )
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         'distributed.worker.Worker.handlers["get_data"]',
@@ -160,6 +180,16 @@ HOOKS: tuple[Hook, ...] = (
         "list is every page's nav bar)",
         "the dashboard's shared-memory page",
         _dashboard_page,
+    ),
+    Hook(
+        "distributed.worker.Worker._pending_plugins (set up after the preloads)",
+        "an invalid shm.* value stopping an in-process worker from starting",
+        worker_pending_plugins_hook,
+    ),
+    Hook(
+        "distributed.nanny.Nanny.instantiate (called after the preloads)",
+        "an invalid shm.* value stopping an in-process nanny from starting",
+        nanny_instantiate_hook,
     ),
 )
 

@@ -2,20 +2,27 @@
 
 The defaults are ``dask-shm.yaml``; ``dask-shm-schema.yaml`` describes every
 key (JSON schema, in the style of distributed's ``distributed-schema.yaml``).
-Validation errors name the key and say what is accepted in the schema's words
-(the first line of the key's description)."""
+This module is where ``shm.*`` config is read: :func:`setting` checks a key's
+value against the schema (``jsonschema``: types, ranges, choices), and the
+typed parsers here (:func:`byte_size`, ...) turn what the schema lets through
+into numbers, refusing what it cannot express (a string that is not a size).
+Validation errors name the key and the value and say what is accepted in the
+schema's words (the first line of the key's description)."""
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import numbers
 import os
 import stat
 import tempfile
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import dask.config
+import jsonschema
 import yaml
 from dask.utils import parse_bytes
 
@@ -46,6 +53,36 @@ def accepted(key: str) -> str:
     first line of its schema description. Raises KeyError for a key the
     schema does not describe."""
     return str(_schema_of(key)["description"]).strip().splitlines()[0]
+
+
+@functools.cache
+def _validator(key: str) -> jsonschema.protocols.Validator:
+    schema = _schema_of(key)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema)
+
+
+def _default_of(key: str) -> object:
+    node: object = DEFAULTS
+    for part in key.split("."):
+        node = node[part]  # type: ignore[index]
+    return node
+
+
+def setting(key: str) -> object:
+    """The current value of ``key`` (e.g. ``"shm.shared-memory.root"``), the
+    shipped default where unset (a config reset after import, as test
+    harnesses do, has lost the registered defaults), checked against the
+    key's schema.
+
+    Raises ValueError naming the key and the value and saying what is
+    accepted (:func:`invalid`); KeyError for a key the schema does not describe.
+    """
+    validator = _validator(key)
+    raw = dask.config.get(key, default=_default_of(key))
+    if not validator.is_valid(raw):
+        raise invalid(key, raw)
+    return raw
 
 
 def invalid(key: str, value: object) -> ValueError:
@@ -126,6 +163,26 @@ def unknown_keys(config: object = None, prefix: str = "shm") -> list[str]:
     return out
 
 
+def known_keys(node: dict | None = None, prefix: str = "shm") -> list[str]:
+    """Every key the schema describes under ``prefix``, sections included
+    (``shm.shared-memory``, ``shm.shared-memory.enabled``, ...)."""
+    if node is None:
+        node = _schema_of(prefix)
+    out = []
+    for name, sub in node.get("properties", {}).items():
+        key = f"{prefix}.{name}"
+        out.append(key)
+        out.extend(known_keys(sub, key))
+    return out
+
+
+def closest_known_key(key: str) -> str | None:
+    """The known key most like ``key`` (a typo's intended key), or None if
+    none is close (difflib's ratio below 0.6)."""
+    matches = difflib.get_close_matches(key.replace("_", "-"), known_keys(), n=1)
+    return matches[0] if matches else None
+
+
 def load_defaults() -> None:
     """Register the shipped defaults with dask's config (idempotent); values
     the user already set take precedence."""
@@ -141,12 +198,7 @@ def enabled(switch: str) -> bool:
     """
     if switch not in SWITCHES:
         raise KeyError(f"unknown dask-shm switch {switch!r}; known: {', '.join(SWITCHES)}")
-    # The shipped default also covers configs that were reset after import
-    # (e.g. by test harnesses) and so lost the registered defaults.
-    value = dask.config.get(f"shm.{switch}", default=DEFAULTS["shm"][switch])
-    if not isinstance(value, bool):
-        raise invalid(f"shm.{switch}", value)
-    return value
+    return bool(setting(f"shm.{switch}"))
 
 
 def spill_recycle_bytes() -> int:
@@ -154,7 +206,7 @@ def spill_recycle_bytes() -> int:
 
     Raises ValueError naming the key and the accepted values.
     """
-    raw = dask.config.get("shm.spill-recycle-bytes", default=DEFAULTS["shm"]["spill-recycle-bytes"])
+    raw = setting("shm.spill-recycle-bytes")
     try:
         return byte_size(raw, "shm.spill-recycle-bytes")
     except (TypeError, ValueError):
@@ -208,44 +260,35 @@ class SharedMemorySettings:
 
         Raises ValueError naming the key and the accepted values.
         """
-        defaults = DEFAULTS["shm"]["shared-memory"]
 
         def get(name: str) -> object:
-            return dask.config.get(f"shm.shared-memory.{name}", default=defaults[name])
+            return setting(f"shm.shared-memory.{name}")
 
-        enabled = get("enabled")
-        if not isinstance(enabled, bool):
-            raise invalid("shm.shared-memory.enabled", enabled)
-        root = get("root")
-        if not isinstance(root, str) or not os.path.isabs(root):
+        def parsed_bytes(name: str) -> int:
+            raw = get(name)
+            try:
+                return byte_size(raw, f"shm.shared-memory.{name}")
+            except (TypeError, ValueError):
+                raise invalid(f"shm.shared-memory.{name}", raw) from None
+
+        enabled = bool(get("enabled"))
+        root = str(get("root"))
+        if not os.path.isabs(root):
             raise invalid("shm.shared-memory.root", root)
-        raw_min_size = get("min-size")
-        try:
-            min_size = byte_size(raw_min_size, "shm.shared-memory.min-size")
-        except (TypeError, ValueError):
-            raise invalid("shm.shared-memory.min-size", raw_min_size) from None
-        raw_fraction = get("min-shared-fraction")
-        try:
-            min_shared_fraction = fraction(raw_fraction, "shm.shared-memory.min-shared-fraction")
-        except (TypeError, ValueError):
-            raise invalid("shm.shared-memory.min-shared-fraction", raw_fraction) from None
+        min_size = parsed_bytes("min-size")
+        min_shared_fraction = float(cast(float, get("min-shared-fraction")))
         raw_max = get("max-bytes")
         max_bytes: int | float | None
         if raw_max is None or raw_max == "auto":
             max_bytes = None
         elif isinstance(raw_max, float) and 0 < raw_max <= 1:
-            max_bytes = raw_max
+            max_bytes = raw_max  # the schema lets other numbers through only if whole
         else:
-            try:
-                if isinstance(raw_max, float):
-                    raise TypeError  # a float is a fraction, and this one is out of range
-                max_bytes = byte_size(raw_max, "shm.shared-memory.max-bytes")
-            except (TypeError, ValueError):
-                raise invalid("shm.shared-memory.max-bytes", raw_max) from None
+            max_bytes = parsed_bytes("max-bytes")
         disk_root = get("disk-root")
         if disk_root is None:
             base = dask.config.get("temporary-directory", default=None) or tempfile.gettempdir()
             disk_root = default_disk_root(base)
-        if not isinstance(disk_root, str) or not os.path.isabs(disk_root):
+        if not os.path.isabs(str(disk_root)):
             raise invalid("shm.shared-memory.disk-root", disk_root)
-        return cls(enabled, root, min_size, min_shared_fraction, max_bytes, disk_root)
+        return cls(enabled, root, min_size, min_shared_fraction, max_bytes, str(disk_root))

@@ -14,6 +14,9 @@ installed follows the ``shm.*`` config (see ``dask-shm.yaml``):
   span extension (``shm.spans``);
 - nanny: with ``shm.shared-memory.enabled``, :class:`dask_shm.SharedMemoryNannyPlugin`.
 
+A worker also logs a warning for each ``shm.*`` key that dask-shm does not
+know (a typo), naming the closest key it knows (:func:`warn_unknown_keys`).
+
 The preload replaces stock components that the server has and never adds
 what it was built without: a scheduler or worker constructed with no
 ``"amm"`` / ``"spans"`` extension (e.g. ``extensions={}``) keeps none, and a
@@ -27,8 +30,11 @@ dask-shm): :func:`dask_teardown`, which distributed calls when the server
 closes, tears them down; :func:`preloaded_plugins` tells which are on.
 
 An invalid ``shm.*`` value stops the server from starting: distributed only
-logs exceptions raised by a preload, so :class:`InvalidConfig` (a SystemExit
-carrying the message that names the key and the accepted values) is raised.
+logs exceptions raised by a preload, so the preload makes the server's start
+fail with :class:`InvalidConfig` (naming the key, the value and what is
+accepted) as the cause (:mod:`dask_shm.startup_refusal`): ``LocalCluster()``
+raises at once, with processes or without, and ``dask worker`` /
+``dask scheduler`` exit with status 1.
 """
 
 from __future__ import annotations
@@ -39,23 +45,27 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from dask_shm.config import SharedMemorySettings, enabled
+from dask_shm.config import SharedMemorySettings, closest_known_key, enabled, unknown_keys
+from dask_shm.startup_refusal import refuse_to_start
 
 logger = logging.getLogger(__name__)
 
 #: server -> {plugin name: plugin} set up by this preload, in setup order.
 _preloaded: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+#: Unknown ``shm.*`` keys this process warned about.
+_warned_unknown_keys: set[str] = set()
 
 
-class InvalidConfig(SystemExit):
+class InvalidConfig(ValueError):
     """An ``shm.*`` config value is invalid; the server must not start."""
 
 
 async def dask_setup(server: Any) -> None:
     """Preload entry point (distributed awaits it while the server starts).
 
-    Raises InvalidConfig for an invalid ``shm.*`` value and TypeError for a
-    server that is not a Scheduler, Worker or Nanny.
+    For an invalid ``shm.*`` value, installs nothing and makes the server's
+    start fail with :class:`InvalidConfig` (see the module docstring). Raises
+    TypeError for a server that is not a Scheduler, Worker or Nanny.
     """
     from distributed import Nanny, Scheduler, Worker
 
@@ -63,11 +73,30 @@ async def dask_setup(server: Any) -> None:
         raise TypeError(
             f"dask_shm preload runs on a Scheduler, Worker or Nanny, not {type(server).__name__}"
         )
+    if isinstance(server, Worker):
+        warn_unknown_keys()
     try:
         await _setup(server)
     except ValueError as e:
         logger.critical("dask-shm: invalid configuration: %s", e)
-        raise InvalidConfig(f"dask-shm: invalid configuration: {e}") from e
+        refuse_to_start(server, InvalidConfig(f"dask-shm: invalid configuration: {e}"))
+
+
+def warn_unknown_keys() -> None:
+    """Log a warning for each ``shm.*`` key the schema does not know (a typo
+    such as ``shm.shared-memory.enable`` is otherwise ignored without a
+    word), naming the closest known key; once per key and process, so a
+    cluster of in-process workers says it once."""
+    for key in unknown_keys():
+        if key in _warned_unknown_keys:
+            continue
+        _warned_unknown_keys.add(key)
+        closest = closest_known_key(key)
+        logger.warning(
+            "dask-shm: unknown config key %s is ignored%s",
+            key,
+            f"; did you mean {closest}?" if closest else "",
+        )
 
 
 async def _setup(server: Any) -> None:

@@ -19,13 +19,12 @@ import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
-import dask.config
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_shm import _core
-from dask_shm.config import byte_size
+from dask_shm.config import byte_size, invalid, setting
 from dask_shm.shared import born, paths
 from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, own_bytes
 
@@ -87,15 +86,12 @@ class BornSettings:
     @classmethod
     def from_config(cls) -> BornSettings:
         """Read the config. Raises ValueError naming the key and the accepted values."""
-        mode = dask.config.get("shm.shared-memory.born-shared", default="auto")
-        if mode not in (True, False, "auto"):
-            raise ValueError(
-                f"config shm.shared-memory.born-shared must be true, false or 'auto'; got {mode!r}"
-            )
-        threshold = _bytes("born-threshold", DEFAULT_THRESHOLD, minimum=1)
-        raw = dask.config.get("shm.shared-memory.born-budget", default="auto")
+        mode = cast(bool | Literal["auto"], setting("shm.shared-memory.born-shared"))
+        threshold = _bytes("born-threshold", minimum=1)
         budget: int | Literal["auto"] = (
-            "auto" if raw == "auto" else _bytes("born-budget", raw, minimum=0)
+            "auto"
+            if setting("shm.shared-memory.born-budget") == "auto"
+            else _bytes("born-budget", minimum=0)
         )
         return cls(mode, threshold, budget)
 
@@ -110,18 +106,16 @@ class BornSettings:
         return min(half_free, memory_limit) if memory_limit else half_free
 
 
-def _bytes(name: str, default: Any, minimum: int) -> int:
-    raw = dask.config.get(f"shm.shared-memory.{name}", default=default)
+def _bytes(name: str, minimum: int) -> int:
+    key = f"shm.shared-memory.{name}"
+    raw = setting(key)
     try:
-        value = byte_size(raw, f"shm.shared-memory.{name}")
-        if value < minimum:
-            raise ValueError
+        n = byte_size(raw, key)
     except (TypeError, ValueError):
-        raise ValueError(
-            f"config shm.shared-memory.{name} must be a byte size >= {minimum} "
-            f"(e.g. 1 MiB); got {raw!r}"
-        ) from None
-    return value
+        n = -1
+    if n < minimum:  # a string below the minimum too (the schema checks only numbers)
+        raise invalid(key, raw)
+    return n
 
 
 # -- workers ------------------------------------------------------------------------

@@ -214,28 +214,31 @@ class SharedMemoryNannyPlugin(NannyPlugin):
 
     def __init__(self, root: str | None = None):
         self.root = root
+        #: (tier-2 root or None if unusable, tier-3 root) once set up; the
+        #: teardown sweeps those (nothing if the setup failed on the config).
+        self._roots: tuple[str | None, str] | None = None
 
-    def _root(self) -> str | None:
-        root = self.root or SharedMemorySettings.from_config().root
+    def _usable(self, root: str) -> str | None:
         try:
             paths.check_root(root)
         except paths.UnusableRoot:
             return None
         return root
 
-    async def _sweep(self, root: str | None) -> None:
+    async def _sweep(self) -> None:
         # O(files) of dead processes: in a thread, so that the nanny's event
         # loop (in a LocalCluster also the scheduler's and the client's) runs on.
-        disk_root = SharedMemorySettings.from_config().disk_root
-        await asyncio.to_thread(reclaim_dead_processes, root, disk_root)
+        if self._roots is not None:
+            await asyncio.to_thread(reclaim_dead_processes, *self._roots)
 
     async def setup(self, nanny: Nanny) -> None:
-        root = self._root()
-        await self._sweep(root)
-        monitor.install_nanny_monitor(nanny, root)
+        settings = SharedMemorySettings.from_config()
+        self._roots = (self._usable(self.root or settings.root), settings.disk_root)
+        await self._sweep()
+        monitor.install_nanny_monitor(nanny, self._roots[0])
 
     async def teardown(self, nanny: Nanny) -> None:
-        await self._sweep(self._root())
+        await self._sweep()
 
 
 def reclaim_dead_processes(root: str | None, disk_root: str) -> int:

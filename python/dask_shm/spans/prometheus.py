@@ -43,7 +43,7 @@ import sys
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import dask.config
 from dask.utils import parse_timedelta
@@ -95,20 +95,17 @@ def _pick(exts: weakref.WeakSet[Any], server: Any, attr: str) -> Any:
 #: ``span_id`` (and ``span``) label of the series finished spans are folded into;
 #: real span ids are UUIDs.
 FOLDED = "finished"
-DEFAULT_RETENTION = 300.0
 
 
 def retention() -> float:
     """``shm.prometheus.span-retention`` in seconds: how long a finished span
     keeps series of its own. Raises ValueError naming the key."""
-    from dask_shm.config import invalid
+    from dask_shm.config import invalid, setting
 
-    raw = dask.config.get("shm.prometheus.span-retention", default=DEFAULT_RETENTION)
+    raw = setting("shm.prometheus.span-retention")
     try:
-        if isinstance(raw, bool):
-            raise TypeError
-        value = parse_timedelta(raw, default="seconds")
-        if value is None or value < 0:
+        value = parse_timedelta(cast("str | float", raw), default="seconds")
+        if value is None or value < 0:  # a string such as "-1 s" (the schema checks numbers)
             raise ValueError
     except (TypeError, ValueError, KeyError):  # KeyError: unknown time unit
         raise invalid("shm.prometheus.span-retention", raw) from None

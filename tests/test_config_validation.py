@@ -1,0 +1,98 @@
+"""``shm.*`` values are checked against dask-shm-schema.yaml where they are
+read, and refused with a message naming the key, the value and what the
+schema accepts; unknown keys get the closest known key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import dask
+import pytest
+
+from dask_shm.config import (
+    SharedMemorySettings,
+    accepted,
+    closest_known_key,
+    enabled,
+    known_keys,
+    setting,
+    spill_recycle_bytes,
+)
+from dask_shm.shared.born_worker import BornSettings
+from dask_shm.spans.prometheus import retention
+
+shared = SharedMemorySettings.from_config
+
+
+@pytest.mark.parametrize(
+    "key, value, read",
+    [
+        ("shm.spans", "yes", lambda: enabled("spans")),
+        ("shm.spill-recycle-bytes", -5, spill_recycle_bytes),
+        ("shm.spill-recycle-bytes", 1.5, spill_recycle_bytes),
+        ("shm.shared-memory.enabled", "yes", shared),
+        ("shm.shared-memory.root", 5, shared),
+        ("shm.shared-memory.min-size", "-1 MiB", shared),
+        ("shm.shared-memory.min-shared-fraction", "half", shared),
+        ("shm.shared-memory.max-bytes", 1.5, shared),
+        ("shm.shared-memory.max-bytes", -1, shared),
+        ("shm.shared-memory.max-bytes", True, shared),
+        ("shm.shared-memory.max-bytes", "lots", shared),
+        ("shm.shared-memory.disk-root", ["/tmp"], shared),
+        ("shm.shared-memory.born-shared", "maybe", BornSettings.from_config),
+        ("shm.shared-memory.born-threshold", 0, BornSettings.from_config),
+        ("shm.shared-memory.born-threshold", "0 B", BornSettings.from_config),
+        ("shm.shared-memory.born-budget", -1, BornSettings.from_config),
+        ("shm.prometheus.span-retention", -1, retention),
+        ("shm.prometheus.span-retention", "-1 s", retention),
+    ],
+)
+def test_bad_values_are_refused_naming_key_value_and_what_is_accepted(
+    key: str, value: object, read: Callable[[], object]
+) -> None:
+    with dask.config.set({key: value}), pytest.raises(ValueError) as info:
+        read()
+    assert str(info.value) == f"config {key} must be {accepted(key)}; got {value!r}"
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("shm.shared-memory.max-bytes", None, None),  # as 'auto'
+        ("shm.shared-memory.max-bytes", 1.0, 1.0),  # a fraction
+        ("shm.shared-memory.max-bytes", 1, 1),  # a byte
+        ("shm.shared-memory.max-bytes", "1 KiB", 1024),
+        ("shm.shared-memory.min-size", "1 KiB", 1024),
+        ("shm.shared-memory.min-shared-fraction", 1, 1.0),
+    ],
+)
+def test_good_values_are_read(key: str, value: object, expected: object) -> None:
+    with dask.config.set({key: value}):
+        assert getattr(shared(), key.rsplit(".", 1)[1].replace("-", "_")) == expected
+
+
+def test_every_shipped_default_passes_its_schema() -> None:
+    leaves = [k for k in known_keys() if not any(o.startswith(k + ".") for o in known_keys())]
+    assert len(leaves) == 22
+    for key in leaves:
+        setting(key)
+
+
+def test_born_shared_accepts_its_three_values() -> None:
+    for mode in (True, False, "auto"):
+        with dask.config.set({"shm.shared-memory.born-shared": mode}):
+            assert BornSettings.from_config().mode == mode
+
+
+@pytest.mark.parametrize(
+    "typo, meant",
+    [
+        ("shm.shared-memory.enable", "shm.shared-memory.enabled"),
+        ("shm.shared_memory.min_sise", "shm.shared-memory.min-size"),
+        ("shm.shared-mem", "shm.shared-memory"),
+        ("shm.spill-bufer", "shm.spill-buffer"),
+        ("shm.zzz", None),
+    ],
+)
+def test_closest_known_key(typo: str, meant: str | None) -> None:
+    assert closest_known_key(typo) == meant
