@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 from dask.sizeof import sizeof
 from distributed import Client, Scheduler
-from distributed.utils_test import gen_cluster
 
 from dask_shm.dashboard import PAGE
-from dask_shm.dashboard.history import ShmHistory
 from dask_shm.preload import preloaded_plugins
 from tests.browser import chromium_path, open_page
 from tests.clusters import process_cluster, worker_addresses
@@ -245,23 +243,3 @@ def test_the_page_is_served_by_a_scheduler_started_with_the_preload_alone():
     worker joins (its history empty)."""
     page, status, pages = asyncio.run(served_pages(dashboard_address=":0"))
     assert status == 200 and PAGE in pages and page.history.samples() == {}
-
-
-# --- the history behind the page -----------------------------------------------------
-
-
-@gen_cluster(client=True, nthreads=[("", 1), ("", 1)])
-async def test_history_keeps_the_last_samples_of_the_workers_there(c, s, a, b):
-    history = ShmHistory(s, length=3)
-    for t in range(5):
-        history.sample(now=float(t))
-    samples = history.samples()
-    assert list(samples) == sorted([a.address, b.address])
-    assert [x.time for x in samples[a.address]] == [2.0, 3.0, 4.0]
-    # Not in shared-memory mode: the private memory is there, the tiers are 0.
-    assert samples[a.address][-1].private > 0 and samples[a.address][-1].tier2 == 0
-    await b.close()
-    history.sample(now=5.0)
-    assert list(history.samples()) == [a.address]
-    with pytest.raises(ValueError, match="length"):
-        ShmHistory(s, length=0)
