@@ -16,8 +16,8 @@ shared-memory mode. Prints wall time, memory and transfer figures side by side
 (ratios are ours/stock, lower is better) and writes a plot of memory over time.
 
 Sizes default to about RAM/12 (at most 2 GiB) for x, with memory limits that
-let the cluster hold x about twice. The default run takes about 4 minutes on a
-2-core machine (--quick: under a minute); the estimate for the chosen sizes,
+let the cluster hold x about twice. The default run took 7.5 minutes on a
+quiet 2-core machine and 34 minutes on a busy one; the estimate for the chosen sizes,
 from a short calibration of this host's speed now, is printed first, and a
 warning when other processes keep the host busy (then ratios are
 unreliable). Sizes that do not fit in this host's memory are refused unless
