@@ -15,7 +15,7 @@ over, maps it in the reader and reads every page:
 
 Run: ``pytest benches/bench_sealed.py``. The data path is the same (tmpfs pages
 either way); the handover differs by a few system calls. What decides between
-them is not measured here (see README, "Tampering with shared files").
+them is not measured here (see docs/shared-memory.md, "Tampering with shared files").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Whether it pays off depends on the tmpfs: fresh tmpfs pages fault in 4 KiB
 units unless the file system serves huge pages, while numpy's ordinary large
 allocations get transparent huge pages. Freed blocks are reused (no fresh
 pages), but an array handed to a peer or spilled leaves the arena, and the
-one made next is a fresh file. See :func:`huge_pages` and the README
+one made next is a fresh file. See :func:`huge_pages` and docs/shared-memory.md
 ("Arrays born shared").
 """
 

@@ -3,7 +3,7 @@
 A value in memory that lives in a private mapping of a spill file still reads
 the file's pages it has not written to: truncating the file makes the next
 access to a page beyond the new end raise SIGBUS (the worker dies), and
-overwriting it changes the value. Two defences (see README, "Tampering with
+overwriting it changes the value. Two defences (see docs/shared-memory.md, "Tampering with
 shared files", for the measured alternative of sealed memfds and why it was
 not chosen):
 
