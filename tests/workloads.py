@@ -16,7 +16,8 @@ compared (equal sums).
   ensemble members as the size takes (coiled: 28 members, the dates scaled).
 - ``rechunk_p2p`` (test_rechunk.py ``test_tiles_to_rows``): 1.5x the memory
   in 8.5 MiB tiles, rechunked to full columns with ``array.rechunk.method:
-  p2p``, then summed.
+  p2p``, then summed; ``array.chunk-size`` (what "auto" columns aim at) is
+  1/600th of the memory as coiled's 128 MiB is of theirs (at least 1 MiB).
 - ``shuffle_p2p`` (test_dataframe.py ``test_shuffle``): a timeseries of 100
   float columns, half the memory, shuffled on a column with
   ``shuffle_method="p2p"``.
@@ -84,7 +85,10 @@ def climatic_mean(client: Client, memory: int, scale: float) -> float:
 
 def rechunk_p2p(client: Client, memory: int, scale: float) -> float:
     n = square_side(memory * scale * 1.5)
-    with dask.config.set({"array.rechunk.method": "p2p"}):
+    # "auto" columns as big as coiled's are for coiled's memory: 128 MiB of
+    # ~77 GiB, about 1/600th.
+    column = max(MIB, int(memory * scale / 600))
+    with dask.config.set({"array.rechunk.method": "p2p", "array.chunk-size": column}):
         a = _rng(5).random((n, n), chunks="8.5MiB")
         total = a.rechunk((-1, "auto")).sum()
     return float(client.compute(total).result())
