@@ -42,9 +42,9 @@ import dask
 import psutil
 import pytest
 from dask.utils import parse_bytes
-from distributed import Client, LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from clusters import process_cluster  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from dask_shm.shared import shm_metrics  # noqa: E402
@@ -135,7 +135,11 @@ def cluster_config(impl: str) -> dict[str, Any]:
     import distributed  # noqa: F401  (loads distributed's config defaults)
 
     environ = {**dask.config.get("distributed.nanny.pre-spawn-environ"), **ONE_THREAD}
-    config: dict[str, Any] = {"distributed.nanny.pre-spawn-environ": environ}
+    config: dict[str, Any] = {
+        "distributed.nanny.pre-spawn-environ": environ,
+        # distributed's default, which tests/clusters.py turns off
+        "distributed.scheduler.active-memory-manager.start": True,
+    }
     if impl == "ours":
         config.update(SHARED_MODE)
     return config
@@ -151,18 +155,9 @@ def test_workload(benchmark: Any, workload: str, round_: int, impl: str) -> None
     run = WORKLOADS[workload]
     memory = WORKERS * WORKER_MEMORY
     results: list[float] = []
-    with (
-        dask.config.set(cluster_config(impl)),
-        LocalCluster(
-            n_workers=WORKERS,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit=WORKER_MEMORY,
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(
+        WORKERS, f"{WORKER_MEMORY}B", cluster_config(impl), silence_logs=logging.ERROR
+    ) as client:
         kinds = set(client.run(lambda dask_worker: type(dask_worker.data).__name__).values())
         assert kinds == {"SharedSpillBuffer" if impl == "ours" else "SpillBuffer"}, kinds
         gc.collect()
