@@ -148,6 +148,7 @@ def cluster_config(impl: str) -> dict[str, Any]:
 RUNS = [(r, impl) for r in range(ROUNDS) for impl in ("stock", "ours")]
 
 
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize(("round_", "impl"), RUNS, ids=[f"{r}-{i}" for r, i in RUNS])
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_workload(benchmark: Any, workload: str, round_: int, impl: str) -> None:

@@ -19,8 +19,8 @@ compared (equal sums).
   p2p``, then summed; ``array.chunk-size`` (what "auto" columns aim at) is
   1/600th of the memory as coiled's 128 MiB is of theirs (at least 1 MiB).
 - ``shuffle_p2p`` (test_dataframe.py ``test_shuffle``): a timeseries of 100
-  float columns, half the memory, shuffled on a column with
-  ``shuffle_method="p2p"``.
+  float columns, half the memory in partitions of 1/64th of it, shuffled on
+  a column with ``shuffle_method="p2p"``.
 - ``spilling`` (test_spill.py, ``release``): an array of 1.79x the memory
   persisted (it spills), then its sum, the array released meanwhile.
 
@@ -98,12 +98,15 @@ def shuffle_p2p(client: Client, memory: int, scale: float) -> float:
     from dask.datasets import timeseries
 
     dtypes = {str(i): float for i in range(100)}
-    part_bytes = 72_000 * (len(dtypes) + 1) * 8  # rows of 1200 ms a day, index included
+    # Partitions of 1/64th of the memory (coiled's: 55 MiB of 77 GiB, in
+    # workers of 8 GiB; theirs would stall workers of a few hundred MiB).
+    part_bytes = max(MIB, int(memory * scale / 64))
+    rows_a_day = max(1, part_bytes // ((len(dtypes) + 1) * 8))
     days = max(2, round(memory * scale / 2 / part_bytes))
     df = timeseries(
         start="2020-01-01",
         end=str(np.datetime64("2020-01-01") + np.timedelta64(days, "D")),
-        freq="1200ms",
+        freq=f"{86_400_000 // rows_a_day}ms",
         partition_freq="24h",
         dtypes=dtypes,
         seed=6,
