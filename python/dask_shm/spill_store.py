@@ -56,6 +56,14 @@ def file_stem(key: Key) -> str:
     return stem
 
 
+_PICKLE = ("pickle",)
+
+
+def _is_arrow_table(value: object) -> bool:
+    module = type(value).__module__
+    return module.startswith("pyarrow") and type(value).__name__ in ("Table", "RecordBatch")
+
+
 def serialize_unsplit(value: object) -> tuple[dict, list]:
     """``serialize`` with every frame left whole and uncompressed: frames
     that ``serialize_bytelist`` would shard at 64 MiB are kept in one piece so
@@ -65,9 +73,16 @@ def serialize_unsplit(value: object) -> tuple[dict, list]:
     Reports the ``serialize`` and ``compress`` stages to ``context_meter`` as
     stock's ``serialize_bytelist`` does (the latter being the decision to leave
     every frame uncompressed), so memmap and shared buffers show the same
-    metrics as stock."""
+    metrics as stock.
+
+    A pyarrow Table or RecordBatch is pickled (protocol 5: its buffers become
+    the frames, no copy) rather than given to distributed's arrow serializer,
+    which first copies the whole value into one IPC stream (a growing buffer
+    of up to twice its size, kept by pyarrow's pool afterwards). Read back,
+    both are the same value over the file's pages."""
+    serializers = _PICKLE if _is_arrow_table(value) else None
     with context_meter.meter("serialize"):
-        header, frames = serialize(value, on_error="raise")
+        header, frames = serialize(value, serializers=serializers, on_error="raise")
     with context_meter.meter("compress"):
         header["compression"] = (None,) * len(frames)
     header["count"] = len(frames)

@@ -40,6 +40,7 @@ from dask.typing import Key
 from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
+from dask_shm import arrow_pool
 from dask_shm._core import ForgedHandleError, read_peer_file
 from dask_shm.config import byte_size, fraction, spill_limit
 from dask_shm.shared import limits, paths
@@ -359,9 +360,11 @@ class SharedSpillBuffer(SpillBuffer):
                     if store.file_of(key) is None:
                         if key not in self.fast or 2 not in tiers:
                             return None
-                        value = self.fast.d[key]
-                        store[key] = value
+                        store[key] = self.fast.d[key]
                         del self.fast[key]
+                        # The private copy is gone (unless a task still holds
+                        # it): pyarrow's pool would keep its pages.
+                        arrow_pool.release_unused()
                     return store.export(key, tiers)
                 except (MaxSpillExceeded, PickleError, OSError) as e:
                     logger.info("dask-shm: cannot hand %r over by hard link: %s", key, e)

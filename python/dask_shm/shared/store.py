@@ -32,6 +32,7 @@ from dask.typing import Key
 from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
+from dask_shm import arrow_pool
 from dask_shm._core import FileStore, SpillFileError, live_mappings
 from dask_shm.shared import born, born_store, dirty, integrity
 from dask_shm.shared.payload import read_tracking_mapping, worth_sharing
@@ -178,6 +179,8 @@ class SharedSpillStore(SpillStore):
         with context_meter.add_callback(self._record):
             frames, shareable = self._prepare(key, value)
             name = self._write(key, frames, safe_sizeof(value))
+        del frames
+        arrow_pool.release_unused()  # serialization's temporary copies, if any
         self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
         if shareable is not None:
             self.shareable[name] = shareable

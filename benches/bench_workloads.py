@@ -1,0 +1,204 @@
+"""Real workloads (the coiled/benchmarks suite's, see tests/workloads.py) on a
+LocalCluster: stock vs dask-shm's shared mode, alternated in one run.
+
+Run: ``pytest benches/bench_workloads.py -s`` (``-k double_diff`` for one
+workload). Every workload runs ``DASK_SHM_BENCH_ROUNDS`` (default 2) rounds
+of stock then ours (stock, ours, stock, ours), each on a fresh LocalCluster
+of ``DASK_SHM_BENCH_WORKERS`` (default 2) worker processes x 1 thread x
+``DASK_SHM_BENCH_WORKER_MEMORY`` (default 512 MiB), one BLAS/OpenMP thread
+per worker. Sizes follow the cluster's memory (times
+``DASK_SHM_BENCH_SCALE``, default 1). Shared mode is switched on by config
+alone (preloads + ``shm.shared-memory.enabled``), as a user would. Timed:
+the computation (graph to result), not the cluster's start.
+
+``extra_info`` of each run (the ``*_bytes`` figures are printed side by side
+with ratios ours/stock by benches/conftest.py; a line per run is printed as
+it goes, with the load average):
+
+- ``host_peak_bytes``: peak of ``MemTotal - MemAvailable`` (/proc/meminfo,
+  sampled every 50 ms) during the compute minus its value just before;
+- ``anon_pages_bytes``, ``shmem_bytes``, ``page_tables_bytes``,
+  ``slab_bytes``, ``mapped_bytes``, ``dirty_bytes``: those /proc/meminfo
+  fields at the peak minus just before; ``outside_bytes``: host peak minus
+  the AnonPages and Shmem increases (what the issue calls "ours outside");
+- ``loopback_bytes``: bytes sent on ``lo`` during the compute;
+- ``link_bytes``: bytes the workers handed over by hard link (0 for stock);
+- ``result`` and ``equal_to_stock`` (the same number as stock's run of the
+  same round, checked: a differing result fails the run).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import dask
+import psutil
+import pytest
+from dask.utils import parse_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from clusters import process_cluster  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
+
+from dask_shm.shared import shm_metrics  # noqa: E402
+
+WORKERS = int(os.environ.get("DASK_SHM_BENCH_WORKERS", "2"))
+WORKER_MEMORY = parse_bytes(os.environ.get("DASK_SHM_BENCH_WORKER_MEMORY", "512 MiB"))
+SCALE = float(os.environ.get("DASK_SHM_BENCH_SCALE", "1"))
+ROUNDS = int(os.environ.get("DASK_SHM_BENCH_ROUNDS", "2"))
+INTERVAL = 0.05
+
+#: /proc/meminfo fields reported at the peak, as extra_info names.
+FIELDS = {
+    "AnonPages": "anon_pages",
+    "Shmem": "shmem",
+    "PageTables": "page_tables",
+    "Slab": "slab",
+    "Mapped": "mapped",
+    "Dirty": "dirty",
+}
+ONE_THREAD = {"OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}
+SHARED_MODE = {
+    "distributed.worker.preload": ["dask_shm"],
+    "distributed.nanny.preload": ["dask_shm"],
+    "shm.shared-memory.enabled": True,
+}
+#: workload -> round -> stock's result
+STOCK_RESULTS: dict[str, dict[int, float]] = {}
+
+
+def read_meminfo() -> dict[str, int]:
+    """/proc/meminfo as bytes per field."""
+    out = {}
+    with open("/proc/meminfo", "rb", buffering=0) as f:
+        for line in f.read().decode().splitlines():
+            name, _, rest = line.partition(":")
+            out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def host_used(info: dict[str, int]) -> int:
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class PeakMeminfo:
+    """Reads /proc/meminfo every ``interval`` s in a thread; keeps the reading
+    taken just before (``before``) and the one where ``MemTotal -
+    MemAvailable`` was highest (``peak``)."""
+
+    def __init__(self, interval: float = INTERVAL) -> None:
+        self.interval = interval
+        self.before: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        info = read_meminfo()
+        if host_used(info) > host_used(self.peak):
+            self.peak = info
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> PeakMeminfo:
+        self.before = self.peak = read_meminfo()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def increase(self, field: str) -> int:
+        return self.peak[field] - self.before[field]
+
+
+def loopback_sent() -> int:
+    return int(psutil.net_io_counters(pernic=True)["lo"].bytes_sent)
+
+
+def _link_bytes(dask_worker: Any) -> float:
+    return shm_metrics(dask_worker)["link_bytes"]
+
+
+def cluster_config(impl: str) -> dict[str, Any]:
+    import distributed  # noqa: F401  (loads distributed's config defaults)
+
+    environ = {**dask.config.get("distributed.nanny.pre-spawn-environ"), **ONE_THREAD}
+    config: dict[str, Any] = {
+        "distributed.nanny.pre-spawn-environ": environ,
+        # distributed's default, which tests/clusters.py turns off
+        "distributed.scheduler.active-memory-manager.start": True,
+    }
+    if impl == "ours":
+        config.update(SHARED_MODE)
+    return config
+
+
+RUNS = [(r, impl) for r in range(ROUNDS) for impl in ("stock", "ours")]
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize(("round_", "impl"), RUNS, ids=[f"{r}-{i}" for r, i in RUNS])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_workload(benchmark: Any, workload: str, round_: int, impl: str) -> None:
+    benchmark.group = f"{workload}, {WORKERS} workers x {WORKER_MEMORY / 2**20:.0f} MiB"
+    run = WORKLOADS[workload]
+    memory = WORKERS * WORKER_MEMORY
+    results: list[float] = []
+    with process_cluster(
+        WORKERS, f"{WORKER_MEMORY}B", cluster_config(impl), silence_logs=logging.ERROR
+    ) as client:
+        kinds = set(client.run(lambda dask_worker: type(dask_worker.data).__name__).values())
+        assert kinds == {"SharedSpillBuffer" if impl == "ours" else "SpillBuffer"}, kinds
+        gc.collect()
+        time.sleep(0.5)  # let the workers' start settle before the baseline
+        lo0 = loopback_sent()
+        with PeakMeminfo() as peak:
+
+            def compute() -> None:
+                results.append(run(client, memory, SCALE))
+
+            benchmark.pedantic(compute, rounds=1, iterations=1)
+        loopback = loopback_sent() - lo0
+        link = sum(client.run(_link_bytes).values())
+    result = results[0]
+    figures = {f"{name}_bytes": peak.increase(field) for field, name in FIELDS.items()}
+    host = host_used(peak.peak) - host_used(peak.before)
+    info: dict[str, Any] = {
+        "host_peak_bytes": host,
+        **figures,
+        "outside_bytes": host - figures["anon_pages_bytes"] - figures["shmem_bytes"],
+        "loopback_bytes": loopback,
+        "link_bytes": int(link),
+        "result": result,
+        "load_average": round(os.getloadavg()[0], 1),
+    }
+    if impl == "stock":
+        STOCK_RESULTS.setdefault(workload, {})[round_] = result
+    else:
+        stock = STOCK_RESULTS.get(workload, {}).get(round_)
+        info["equal_to_stock"] = stock == result if stock is not None else None
+    benchmark.extra_info.update(info)
+    mib = {k: v / 2**20 for k, v in info.items() if k.endswith("_bytes")}
+    print(
+        f"\n{workload:<14} {impl:<5} r{round_} wall {benchmark.stats.stats.median:6.1f} s"
+        f"  host {mib['host_peak_bytes']:7.0f} MiB  anon {mib['anon_pages_bytes']:6.0f}"
+        f"  shmem {mib['shmem_bytes']:6.0f}  ptables {mib['page_tables_bytes']:4.0f}"
+        f"  slab {mib['slab_bytes']:4.0f}  mapped {mib['mapped_bytes']:5.0f}"
+        f"  dirty {mib['dirty_bytes']:4.0f}  outside {mib['outside_bytes']:5.0f}"
+        f"  lo {mib['loopback_bytes']:6.0f}  link {mib['link_bytes']:6.0f} MiB"
+        f"  equal {info.get('equal_to_stock', '-')}  load {info['load_average']}"
+    )
+    if impl == "ours":
+        assert info["equal_to_stock"] is not False, (workload, result, stock)

@@ -1,0 +1,137 @@
+"""The coiled/benchmarks workloads (github.com/coiled/benchmarks,
+tests/benchmarks/), written again for dask-shm's bench and tests, scaled to a
+cluster's memory and ending each in one number so that two runs can be
+compared (equal sums).
+
+- ``double_diff`` (test_array.py): ``a[1:, 1:] - b[:-1, :-1]``, a and b each
+  the cluster's memory, 20 MiB chunks (coiled scales them by the square root
+  of the memory; linearly here, which keeps small clusters small).
+- ``anom_mean`` (test_xarray.py): anomalies from a climatology,
+  ``arr.groupby(day) - arr.groupby(day).mean()``, then their mean over time;
+  half the memory in one-row chunks. Without xarray: the groupby is done by
+  strided slices (``day = time % ngroups``), as xarray does without flox.
+- ``climatic_mean`` (test_xarray.py): a 6-d array of twice the memory in
+  ``(1, 1, lat, lead, level, lon)`` chunks, mean over ``init_date`` by 10
+  groups; chunks 16x smaller than coiled's 200 MiB, 10 dates and as many
+  ensemble members as the size takes (coiled: 28 members, the dates scaled).
+- ``rechunk_p2p`` (test_rechunk.py ``test_tiles_to_rows``): 1.5x the memory
+  in 8.5 MiB tiles, rechunked to full columns with ``array.rechunk.method:
+  p2p``, then summed; ``array.chunk-size`` (what "auto" columns aim at) is
+  1/600th of the memory as coiled's 128 MiB is of theirs (at least 1 MiB).
+- ``shuffle_p2p`` (test_dataframe.py ``test_shuffle``): a timeseries of 100
+  float columns, half the memory in partitions of 1/64th of it, shuffled on
+  a column with ``shuffle_method="p2p"``.
+- ``spilling`` (test_spill.py, ``release``): an array of 1.79x the memory
+  persisted (it spills), then its sum, the array released meanwhile.
+
+Each workload is a function ``(client, memory, scale) -> float`` that runs the
+computation on ``client`` and returns its result; ``memory`` is the
+cluster's memory in bytes and ``scale`` multiplies every size (1.0: coiled's
+proportions). Data are seeded: the same arguments give the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+from distributed import Client, wait
+
+MIB = 2**20
+
+Workload = Callable[[Client, int, float], float]
+
+
+def square_side(nbytes: float, itemsize: int = 8) -> int:
+    """Side of a square float array of about ``nbytes``."""
+    return max(1, int(math.sqrt(nbytes / itemsize)))
+
+
+def _rng(seed: int) -> Any:
+    return da.random.default_rng(seed)
+
+
+def double_diff(client: Client, memory: int, scale: float) -> float:
+    n = square_side(memory * scale)
+    a = _rng(1).random((n, n), chunks="20MiB")
+    b = _rng(2).random((n, n), chunks="20MiB")
+    diff = a[1:, 1:] - b[:-1, :-1]
+    return float(client.compute(diff.sum()).result())
+
+
+def anom_mean(client: Client, memory: int, scale: float) -> float:
+    row = MIB // 8
+    rows = max(2, int(memory * scale / 2 / MIB))
+    data = _rng(3).random((rows, row), chunks=(1, row))
+    ngroups = max(1, rows // 100)
+    clim = da.stack([data[g::ngroups].mean(axis=0) for g in range(ngroups)])
+    day = np.arange(rows) % ngroups
+    anom = data - clim[day]
+    return float(client.compute(anom.mean(axis=0).sum()).result())
+
+
+def climatic_mean(client: Client, memory: int, scale: float) -> float:
+    chunk = (1, 1, 24, 21, 45, 72)
+    chunk_bytes = 8 * math.prod(chunk)
+    ensemble = max(1, int(memory * scale * 2 / (10 * chunk_bytes)))
+    data = _rng(4).random((ensemble, 10, *chunk[2:]), chunks=chunk)
+    clim = da.stack([data[:, g::10].mean(axis=1) for g in range(10)], axis=1)
+    return float(client.compute(clim.sum()).result())
+
+
+def rechunk_p2p(client: Client, memory: int, scale: float) -> float:
+    n = square_side(memory * scale * 1.5)
+    # "auto" columns as big as coiled's are for coiled's memory: 128 MiB of
+    # ~77 GiB, about 1/600th.
+    column = max(MIB, int(memory * scale / 600))
+    with dask.config.set({"array.rechunk.method": "p2p", "array.chunk-size": column}):
+        a = _rng(5).random((n, n), chunks="8.5MiB")
+        total = a.rechunk((-1, "auto")).sum()
+    return float(client.compute(total).result())
+
+
+def shuffle_p2p(client: Client, memory: int, scale: float) -> float:
+    from dask.datasets import timeseries
+
+    dtypes = {str(i): float for i in range(100)}
+    # Partitions of 1/64th of the memory (coiled's: 55 MiB of 77 GiB, in
+    # workers of 8 GiB; theirs would stall workers of a few hundred MiB).
+    part_bytes = max(MIB, int(memory * scale / 64))
+    rows_a_day = max(1, part_bytes // ((len(dtypes) + 1) * 8))
+    days = max(2, round(memory * scale / 2 / part_bytes))
+    df = timeseries(
+        start="2020-01-01",
+        end=str(np.datetime64("2020-01-01") + np.timedelta64(days, "D")),
+        freq=f"{86_400_000 // rows_a_day}ms",
+        partition_freq="24h",
+        dtypes=dtypes,
+        seed=6,
+    )
+    shuffled = df.shuffle("0", shuffle_method="p2p").map_partitions(lambda x: x)
+    # Row order within partitions depends on arrival order: sum a column
+    # whose float sum does not depend on it (rounded per row to an integer).
+    total = (shuffled["1"] * 2**20).round().sum() + shuffled.size
+    return float(client.compute(total).result())
+
+
+def spilling(client: Client, memory: int, scale: float) -> float:
+    n = square_side(memory * scale * 1.79)
+    a = _rng(7).random((n, n)).persist()
+    wait(a)
+    b = a.sum().persist()
+    del a
+    return float(b.compute())
+
+
+WORKLOADS: dict[str, Workload] = {
+    "double_diff": double_diff,
+    "anom_mean": anom_mean,
+    "climatic_mean": climatic_mean,
+    "rechunk_p2p": rechunk_p2p,
+    "shuffle_p2p": shuffle_p2p,
+    "spilling": spilling,
+}
