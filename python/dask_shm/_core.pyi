@@ -161,7 +161,7 @@ class FileStore:
     def __len__(self) -> int: ...
     def __contains__(self, name: str, /) -> bool: ...
 
-# --- local shared-memory scheduler (rust/local_transport.rs, rust/py_local_transport.rs) ---
+# --- local shared-memory scheduler (rust/core/local_transport.rs, rust/py/local_transport.rs) ---
 
 @final
 class MappedRange:
@@ -200,7 +200,7 @@ def pages_unmodified(addr: int, len: int) -> bool:
     in a live private file mapping. Raises OSError if pagemap is unreadable.
     """
 
-# --- Active Memory Manager (rust/amm.rs decides; rust/py_amm*.rs bind) ---
+# --- Active Memory Manager (rust/core/amm.rs decides; rust/py/amm*.rs bind) ---
 
 #: ``{code: message}`` for every rejection code ``AmmRun.last_reject`` can hold: the
 #: single definition of the codes (``amm::Reject``). Messages are stock's log
@@ -372,10 +372,10 @@ def mapped_ranges(device: int, inode: int) -> list[tuple[int, int]]:
 def is_ram_backed(path: str | PathLike[str]) -> bool:
     """Whether ``path`` lies on a RAM-backed file system (tmpfs, ramfs or
     hugetlbfs, by ``statfs`` magic number): dask-shm's one rule for "this is
-    shared memory" (rust/fs.rs). False if ``path`` cannot be examined
+    shared memory" (rust/core/fs.rs). False if ``path`` cannot be examined
     (missing, no access) and off Linux; never raises for such paths."""
 
-# --- tiers of the shared-memory store (rust/tier.rs, rust/py_tier.rs) ---
+# --- tiers of the shared-memory store (rust/core/tier.rs, rust/py/tier.rs) ---
 
 def move_entry(src: FileStore, name: str, dst: FileStore) -> tuple[str, int]:
     """Move entry ``name`` of ``src`` into ``dst``: copy in the kernel
@@ -404,7 +404,7 @@ class TierBudget:
         ``incoming`` more bytes then fit within the limit."""
     def __len__(self) -> int: ...
 
-# -- arrays born shared (rust/born.rs, rust/born_py.rs) ---------------------------
+# -- arrays born shared (rust/core/born.rs, rust/py/born.rs) ----------------------
 
 def born_configure(
     directory: str | PathLike[str] | None,
