@@ -2,9 +2,45 @@
 
 from collections.abc import Collection, Iterable
 from os import PathLike
-from typing import Any, final
+from typing import Any, Self, final
 
 from typing_extensions import Buffer
+
+__all__ = [
+    "__version__",
+    "AMM_MAX_COUNTED_WAITERS",
+    "AMM_REJECTIONS",
+    "AmmRun",
+    "born_block",
+    "born_configure",
+    "born_disown",
+    "born_handler",
+    "born_header_size",
+    "born_release_cache",
+    "born_seal",
+    "born_stats",
+    "buffer_address",
+    "FileStore",
+    "ForgedHandleError",
+    "FRAME_ALIGN_MIN_LEN",
+    "FRAME_ALIGNMENT",
+    "is_ram_backed",
+    "live_mappings",
+    "map_frames",
+    "mapped_ranges",
+    "MappedFile",
+    "MappedRange",
+    "move_entry",
+    "pages_unmodified",
+    "read_peer_file",
+    "ReplicaHook",
+    "replicas_to_keep",
+    "ReplicaTracker",
+    "set_numpy_handler",
+    "SpillFileError",
+    "TierBudget",
+    "TrackerHub",
+]
 
 __version__: str
 #: A frame of at least FRAME_ALIGN_MIN_LEN bytes starts at a multiple of this
@@ -40,7 +76,7 @@ class FileStore:
     created with O_EXCL|O_NOFOLLOW under a temporary name and published whole.
     """
 
-    def __init__(self, directory: str | PathLike[str], recycle_bytes: int = 0) -> None:
+    def __new__(cls, directory: str | PathLike[str], recycle_bytes: int = 0) -> Self:
         """Open (creating it 0700) the directory. ``recycle_bytes`` > 0 keeps up
         to that many bytes of removed entries' files (hidden ``.pool-*`` names,
         not entries) for later puts to overwrite instead of creating new files.
@@ -123,9 +159,9 @@ class FileStore:
     def path(self, name: str) -> str: ...
     def names(self) -> list[str]: ...
     def __len__(self) -> int: ...
-    def __contains__(self, name: str) -> bool: ...
+    def __contains__(self, name: str, /) -> bool: ...
 
-# --- local shared-memory scheduler (rust/local_transport.rs, rust/py_local_transport.rs) ---
+# --- local shared-memory scheduler (rust/core/local_transport.rs, rust/py/local_transport.rs) ---
 
 @final
 class MappedRange:
@@ -136,7 +172,7 @@ class MappedRange:
     Raises ValueError if the range is not inside the mapping.
     """
 
-    def __init__(self, mapping: MappedFile, offset: int, length: int) -> None: ...
+    def __new__(cls, mapping: MappedFile, offset: int, length: int) -> Self: ...
     @property
     def mapping(self) -> MappedFile: ...
     @property
@@ -158,13 +194,13 @@ def buffer_address(obj: Buffer) -> tuple[int, int]:
     Raises BufferError if ``obj`` cannot export one contiguous buffer.
     """
 
-def pages_unmodified(addr: int, length: int) -> bool:
-    """True if no page of ``[addr, addr + length)`` was written since it was
+def pages_unmodified(addr: int, len: int) -> bool:
+    """True if no page of ``[addr, addr + len)`` was written since it was
     mapped from its file (read from ``/proc/self/pagemap``). The range must lie
     in a live private file mapping. Raises OSError if pagemap is unreadable.
     """
 
-# --- Active Memory Manager (rust/amm.rs decides; rust/py_amm*.rs bind) ---
+# --- Active Memory Manager (rust/core/amm.rs decides; rust/py/amm*.rs bind) ---
 
 #: ``{code: message}`` for every rejection code ``AmmRun.last_reject`` can hold: the
 #: single definition of the codes (``amm::Reject``). Messages are stock's log
@@ -218,7 +254,7 @@ class ReplicaHook:
     wrapped to report each call to ``hub`` before running ``original`` with the
     same arguments. ValueError for any other name."""
 
-    def __init__(self, name: str, original: Any, hub: TrackerHub) -> None: ...
+    def __new__(cls, name: str, original: Any, hub: TrackerHub) -> Self: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
     @property
     def __name__(self) -> str: ...
@@ -236,13 +272,13 @@ class AmmRun:
     codes (``last_reject``): the keys of ``AMM_REJECTIONS``.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         workers: list[Any],
         memory: list[int],
         running: list[bool],
         eligible: list[bool],
-    ) -> None:
+    ) -> Self:
         """Raises ValueError if lengths differ or a worker is listed twice."""
     @staticmethod
     def read_workers(
@@ -259,7 +295,7 @@ class AmmRun:
         ``WorkerState.memory`` reads (plain dicts and ints; anything else is asked
         from Python)."""
     def __len__(self) -> int: ...
-    def __contains__(self, ws: object) -> bool: ...
+    def __contains__(self, ws: object, /) -> bool: ...
     @property
     def workers(self) -> list[Any]: ...
     @property
@@ -336,10 +372,10 @@ def mapped_ranges(device: int, inode: int) -> list[tuple[int, int]]:
 def is_ram_backed(path: str | PathLike[str]) -> bool:
     """Whether ``path`` lies on a RAM-backed file system (tmpfs, ramfs or
     hugetlbfs, by ``statfs`` magic number): dask-shm's one rule for "this is
-    shared memory" (rust/fs.rs). False if ``path`` cannot be examined
+    shared memory" (rust/core/fs.rs). False if ``path`` cannot be examined
     (missing, no access) and off Linux; never raises for such paths."""
 
-# --- tiers of the shared-memory store (rust/tier.rs, rust/py_tier.rs) ---
+# --- tiers of the shared-memory store (rust/core/tier.rs, rust/py/tier.rs) ---
 
 def move_entry(src: FileStore, name: str, dst: FileStore) -> tuple[str, int]:
     """Move entry ``name`` of ``src`` into ``dst``: copy in the kernel
@@ -353,7 +389,7 @@ class TierBudget:
     """Byte budget of tier 2 with least-recently-used order; pinned entries
     (mapped by values in memory) never move. Thread-safe bookkeeping only."""
 
-    def __init__(self, limit: int) -> None: ...
+    def __new__(cls, limit: int) -> Self: ...
     limit: int
     @property
     def used(self) -> int: ...
@@ -368,7 +404,7 @@ class TierBudget:
         ``incoming`` more bytes then fit within the limit."""
     def __len__(self) -> int: ...
 
-# -- arrays born shared (rust/born.rs, rust/born_py.rs) ---------------------------
+# -- arrays born shared (rust/core/born.rs, rust/py/born.rs) ----------------------
 
 def born_configure(
     directory: str | PathLike[str] | None,

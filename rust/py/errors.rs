@@ -15,8 +15,8 @@ use std::path::Path;
 use pyo3::exceptions::{PyKeyError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::peer::PeerError;
-use crate::store::StoreError;
+use dask_shm_core::peer::PeerError;
+use dask_shm_core::store::StoreError;
 
 pyo3::create_exception!(
     _core,

@@ -1,26 +1,23 @@
 //! `dask_shm._core.ReplicaTracker`: which replicated tasks a ReduceReplicas
-//! run must look at, kept between runs.
+//! run must look at, kept between runs; and `TrackerHub`/`ReplicaHook`, the
+//! scheduler hooks that report changes to it.
 //!
 //! Stock's ReduceReplicas walks every task of `scheduler.replicated_tasks` on
 //! every run. Between two runs, a task's count of drops to suggest changes only
 //! if its replicas, its waiters (or where they are processing) or its desired
-//! count change. The tracker keeps, in Rust, the tasks that had drops to
-//! suggest at the last look (the over-replicated set) and the tasks reported
-//! changed since (`touch`, `touch_dependencies`, called by the scheduler hooks
-//! in `dask_shm.amm.tracking`). Losing a replica never gives a task drops to
-//! suggest (its count only falls), so removals need no report: a task that
-//! had none still has none, and the others are looked at anyway. A run looks
-//! at those, at the tasks with
-//! actions pending in this run and at `KeepReplicas` targets (old and new), so
-//! it costs time proportional to them, not to `replicated_tasks`.
+//! count change. The sets and rescan rules live in
+//! `dask_shm_core::replica_tracker` (unit-tested there); this binding reads the
+//! scheduler's objects for them (`touch`, `touch_dependencies`, called by the
+//! hooks of `dask_shm.amm.tracking`) and runs the policy over what they name,
+//! so a run costs time proportional to the changed and over-replicated tasks,
+//! not to `replicated_tasks`.
 //!
 //! Decisions are those of a full scan: when two or more tasks get drops and
 //! their choices could depend on the order they are decided in (see
 //! `amm::order_independent`), one pointer-only pass over `replicated_tasks`
-//! recovers stock's order. The first run, a replaced `replicated_tasks` object,
-//! `request_rescan`, more than `DIRTY_LIMIT` changed tasks (which also bounds
-//! what the tracker keeps alive while the AMM is stopped) and a full scan that
-//! found more than `OVER_LIMIT` over-replicated tasks fall back to a full scan.
+//! recovers stock's order. A replaced `replicated_tasks` object also falls
+//! back to a full scan. The run itself is asked of a `Decider` (`AmmRun`),
+//! so this module does not depend on the run's module.
 
 use std::sync::Mutex;
 
@@ -29,50 +26,23 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyWeakrefReference};
 
-use crate::amm::{self, DropRequest};
-use crate::py_amm::{len_or_zero, task_slots, AddrMap, AmmRun, Prefetched, Prepared, TASK_LINES};
-use crate::py_set_order::SetTable;
-use crate::py_slots::{prefetch_ahead, prefetch_at};
+use crate::amm_task::{len_or_zero, task_slots, Decider, Prefetched, Prepared, TASK_LINES};
+use crate::set_order::SetTable;
+use crate::slots::{prefetch_ahead, prefetch_at};
+use dask_shm_core::addr_map::AddrMap;
+use dask_shm_core::amm::{self, DropRequest};
+use dask_shm_core::replica_tracker::{Decided, TrackerState};
 
-/// More changed tasks than this between two runs: forget them and rescan.
-const DIRTY_LIMIT: usize = 1 << 16;
-/// A full scan finding more over-replicated tasks than this stops keeping them
-/// (which would slow the scan down) and leaves the next run a full scan too.
-const OVER_LIMIT: usize = 1 << 14;
-
-/// What the last run did (for tests and benchmarks).
-#[derive(Debug, Clone, Copy, Default)]
-struct RunStats {
-    full_scan: bool,
-    looked_at: usize,
-    ordered_by_scan: bool,
-}
-
-/// The over-replicated tasks and the tasks changed since the last run.
+/// The over-replicated tasks and the tasks changed since the last run (the
+/// rules: `dask_shm_core::replica_tracker`), over the scheduler's objects.
 #[pyclass(module = "dask_shm._core", weakref)]
 pub struct ReplicaTracker {
-    /// Tasks the last run decided drops for: task -> (task, replicas kept).
-    /// The next run reads how many replicas they have left (see
-    /// `settle_decided`).
-    decided: AddrMap<Decided>,
-    over: AddrMap<Py<PyAny>>,
-    dirty: AddrMap<Py<PyAny>>,
-    targets: AddrMap<Py<PyAny>>,
-    rescan: bool,
+    state: TrackerState<Py<PyAny>>,
     /// The `replicated_tasks` object of the last run (kept alive, so its
     /// address cannot be reused by another object).
     tasks: Option<Py<PyAny>>,
-    last: RunStats,
     /// Buffers of the drop requests of past runs, reused.
     requests: Vec<DropRequest>,
-}
-
-/// A task the last run decided drops for.
-struct Decided {
-    ts: Py<PyAny>,
-    /// Replicas ReduceReplicas keeps for it (`n_holders - base_excess`): the
-    /// same at the next run unless something touches the task.
-    keep: i64,
 }
 
 fn addr(obj: &Bound<'_, PyAny>) -> usize {
@@ -85,28 +55,15 @@ impl ReplicaTracker {
     #[new]
     fn new() -> Self {
         ReplicaTracker {
-            decided: AddrMap::default(),
-            over: AddrMap::default(),
-            dirty: AddrMap::default(),
-            targets: AddrMap::default(),
-            rescan: true,
+            state: TrackerState::new(),
             tasks: None,
-            last: RunStats::default(),
             requests: Vec::new(),
         }
     }
 
     /// Report that `ts`'s replicas (or waiters) may have changed.
     fn touch(&mut self, ts: &Bound<'_, PyAny>) {
-        if self.rescan {
-            return; // the next run looks at everything anyway
-        }
-        if self.dirty.len() >= DIRTY_LIMIT {
-            self.dirty.clear();
-            self.rescan = true;
-            return;
-        }
-        self.dirty.insert(addr(ts), ts.clone().unbind());
+        self.state.touch(addr(ts), || ts.clone().unbind());
     }
 
     /// Report that `ts` changed state or worker: its own facts and the waiters
@@ -124,34 +81,29 @@ impl ReplicaTracker {
 
     /// Make the next run scan every replicated task.
     fn request_rescan(&mut self) {
-        self.rescan = true;
-        self.dirty.clear();
-        self.decided.clear();
+        self.state.request_rescan();
     }
 
     /// Number of tasks that had drops to suggest at the last look.
     #[getter]
     fn over_replicated(&self) -> usize {
-        self.over.len()
+        self.state.over_replicated()
     }
 
     /// `(full scan, tasks looked at, ordered by a pass over replicated_tasks)`
     /// for the last run.
     #[getter]
     fn last_run(&self) -> (bool, usize, bool) {
-        (
-            self.last.full_scan,
-            self.last.looked_at,
-            self.last.ordered_by_scan,
-        )
+        let last = self.state.last_run();
+        (last.full_scan, last.looked_at, last.ordered_by_scan)
     }
 }
 
 impl ReplicaTracker {
     /// One ReduceReplicas policy run on `run`; see `AmmRun.reduce_replicas`.
-    pub(crate) fn reduce_replicas(
+    pub(crate) fn reduce_replicas<D: Decider>(
         &mut self,
-        run: &mut AmmRun,
+        run: &mut D,
         tasks: &Bound<'_, PyAny>,
         pending: &Bound<'_, PyDict>,
         targets: Option<&Bound<'_, PyDict>>,
@@ -160,18 +112,14 @@ impl ReplicaTracker {
     ) -> PyResult<(usize, i64)> {
         self.settle_decided(tasks.py())?;
         let same_tasks = self.tasks.as_ref().is_some_and(|t| t.is(tasks));
-        let result = if self.rescan || !same_tasks {
+        let result = if self.state.rescan() || !same_tasks {
             self.full_scan(run, tasks, pending, targets, defer)
         } else {
             self.changed_only(run, tasks, pending, targets, defer, validate)
         };
-        self.dirty.clear();
-        self.targets.clear();
-        if let Some(t) = targets {
-            for ts in t.keys() {
-                self.targets.insert(addr(&ts), ts.unbind());
-            }
-        }
+        let kept = targets.into_iter().flat_map(|t| t.keys());
+        self.state
+            .finish_run(kept.map(|ts| (addr(&ts), ts.unbind())));
         result
     }
 
@@ -182,15 +130,12 @@ impl ReplicaTracker {
     /// waiters are as they were unless a change touched them (then they are
     /// looked at again anyway): `len(who_has) - keep` is their excess now.
     fn settle_decided(&mut self, py: Python<'_>) -> PyResult<()> {
-        let mut decided = std::mem::take(&mut self.decided);
-        let settle: Vec<(usize, Decided)> = decided
-            .drain()
-            .filter(|(a, _)| !self.dirty.contains_key(a))
-            .collect();
-        // The map keeps its capacity for the next run.
-        self.decided = decided;
-        let slots = settle.first().and_then(|(_, d)| task_slots(d.ts.bind(py)));
-        for (i, (a, d)) in settle.iter().enumerate() {
+        let settle: Vec<(usize, Decided<Py<PyAny>>)> = self.state.take_settling();
+        let slots = settle
+            .first()
+            .and_then(|(_, d)| task_slots(d.task.bind(py)));
+        let mut counts = Vec::with_capacity(settle.len());
+        for (i, (_, d)) in settle.iter().enumerate() {
             // The tasks were last touched a run ago: mostly cache misses.
             prefetch_ahead(
                 &settle,
@@ -198,81 +143,64 @@ impl ReplicaTracker {
                 |(a, _)| prefetch_at(*a, 0..=TASK_LINES),
                 |(_, later)| {
                     // `len(who_has)` reads the set's first line only.
-                    let who_has = slots.as_ref().and_then(|s| s.peek(later.ts.bind(py), 0));
+                    let who_has = slots.as_ref().and_then(|s| s.peek(later.task.bind(py), 0));
                     if let Some(who_has) = who_has.filter(|&a| a != 0) {
                         prefetch_at(who_has, 0..=0);
                     }
                 },
             );
-            let n = len_or_zero(&d.ts.bind(py).getattr(intern!(py, "who_has"))?)?;
-            if n as i64 > d.keep {
-                self.over.insert(*a, d.ts.clone_ref(py));
-            } else {
-                self.over.remove(a);
-            }
+            counts.push(len_or_zero(
+                &d.task.bind(py).getattr(intern!(py, "who_has"))?,
+            )?);
+        }
+        for ((a, d), n) in settle.into_iter().zip(counts) {
+            self.state.settle(a, d, n);
         }
         Ok(())
     }
 
     fn decide_later(&mut self, task: &Prepared<'_>, dropped: usize) {
-        if dropped > 0 {
-            let d = Decided {
-                ts: task.ts.clone().unbind(),
-                keep: task.request.n_holders - task.base_excess,
-            };
-            self.decided.insert(addr(&task.ts), d);
-        }
+        let keep = task.request.n_holders - task.base_excess;
+        self.state
+            .decided(addr(&task.ts), keep, dropped, || task.ts.clone().unbind());
     }
 
-    fn full_scan(
+    fn full_scan<D: Decider>(
         &mut self,
-        run: &mut AmmRun,
+        run: &mut D,
         tasks: &Bound<'_, PyAny>,
         pending: &Bound<'_, PyDict>,
         targets: Option<&Bound<'_, PyDict>>,
         defer: bool,
     ) -> PyResult<(usize, i64)> {
-        self.over.clear();
-        self.rescan = false;
+        let mut scan = self.state.begin_full_scan();
         self.tasks = Some(tasks.clone().unbind());
-        let (mut nkeys, mut ndrop, mut looked_at) = (0usize, 0i64, 0usize);
-        let mut keeping = true;
+        let (mut nkeys, mut ndrop) = (0usize, 0i64);
         let mut request = DropRequest::default();
         for ts in tasks.try_iter()? {
-            looked_at += 1;
-            let ev = AmmRun::evaluate(ts?, None, Some(pending), targets)?;
-            if keeping && ev.base_excess > 0 {
-                if self.over.len() == OVER_LIMIT {
-                    keeping = false;
-                    self.over.clear();
-                    self.decided.clear();
-                } else {
-                    self.over.insert(addr(&ev.ts), ev.ts.clone().unbind());
-                }
-            }
+            let ev = D::evaluate(ts?, None, Some(pending), targets)?;
+            self.state
+                .scanned(&mut scan, addr(&ev.ts), ev.base_excess, || {
+                    ev.ts.clone().unbind()
+                });
             if ev.ndrop > 0 {
                 nkeys += 1;
                 ndrop += ev.ndrop;
                 let task = run.prepare(ev, pending, defer, request)?;
                 let dropped = run.decide(&task)?;
-                if keeping {
+                if scan.keeping() {
                     self.decide_later(&task, dropped);
                 }
                 request = task.request;
             }
         }
-        self.rescan = !keeping;
-        self.last = RunStats {
-            full_scan: true,
-            looked_at,
-            ordered_by_scan: false,
-        };
+        self.state.end_full_scan(scan);
         Ok((nkeys, ndrop))
     }
 
-    fn changed_only(
+    fn changed_only<D: Decider>(
         &mut self,
-        run: &mut AmmRun,
+        run: &mut D,
         tasks: &Bound<'_, PyAny>,
         pending: &Bound<'_, PyDict>,
         targets: Option<&Bound<'_, PyDict>>,
@@ -281,11 +209,6 @@ impl ReplicaTracker {
     ) -> PyResult<(usize, i64)> {
         let py = tasks.py();
         // Everything whose count may have changed, or may be positive.
-        let capacity = self.over.len()
-            + self.dirty.len()
-            + self.targets.len()
-            + pending.len()
-            + targets.map_or(0, |t| t.len());
         let extra: Vec<Bound<'_, PyAny>> = pending
             .keys()
             .iter()
@@ -294,21 +217,15 @@ impl ReplicaTracker {
         // Addresses first (keys of the maps: no object is touched), in
         // address order: the objects are then read in the order they lie in
         // memory. Decisions do not depend on it (see `order_independent`).
-        let mut addrs: Vec<usize> = Vec::with_capacity(capacity);
-        for map in [&self.over, &self.dirty, &self.targets] {
-            addrs.extend(map.keys());
-        }
-        addrs.extend(extra.iter().map(addr));
-        addrs.sort_unstable();
-        addrs.dedup();
+        let addrs = self.state.candidates(extra.iter().map(addr));
         let looked_at = addrs.len();
         // A reference to each, with the objects prefetched a few steps ahead.
         let mut look: Vec<(usize, Bound<'_, PyAny>)> = Vec::with_capacity(addrs.len());
         for (i, &a) in addrs.iter().enumerate() {
             prefetch_ahead(&addrs, i, |&later| prefetch_at(later, 0..=0), |_| {});
-            // SAFETY: `a` is a key of `over`, `dirty` or `targets` (each holds
-            // a reference to its object) or the address of one of `extra`;
-            // none has changed since, so the object is alive.
+            // SAFETY: `a` is a key of the tracker's over, dirty or targets
+            // set (each holds a reference to its object) or the address of
+            // one of `extra`; none has changed since, so the object is alive.
             look.push((a, unsafe {
                 Bound::from_borrowed_ptr(py, a as *mut pyo3::ffi::PyObject)
             }));
@@ -329,19 +246,13 @@ impl ReplicaTracker {
             if let Some(Some(later)) = ahead.get(i + WAITERS_AHEAD) {
                 later.prefetch_waiters();
             }
-            let ev = AmmRun::evaluate(ts, ahead[i].take(), Some(pending), targets)?;
+            let ev = D::evaluate(ts, ahead[i].take(), Some(pending), targets)?;
             // The scheduler keeps `replicated_tasks` = {tasks with 2+ holders}
             // (add_replica/remove_replica); `validate` checks it.
-            if ev.n_holders < 2 {
-                self.over.remove(&a);
-                continue;
-            }
-            if ev.base_excess > 0 {
-                self.over.insert(a, ev.ts.clone().unbind());
-            } else {
-                self.over.remove(&a);
-            }
-            if ev.ndrop > 0 {
+            let replicated = self
+                .state
+                .looked(a, ev.n_holders, ev.base_excess, || ev.ts.clone().unbind());
+            if replicated && ev.ndrop > 0 {
                 nkeys += 1;
                 ndrop += ev.ndrop;
                 let request = self.requests.pop().unwrap_or_default();
@@ -349,7 +260,7 @@ impl ReplicaTracker {
             }
         }
         if validate {
-            check_against_full_scan(tasks, pending, targets, &chosen)?;
+            check_against_full_scan::<D>(tasks, pending, targets, &chosen)?;
         }
         let mut ordered_by_scan = false;
         if chosen.len() > 1 {
@@ -366,18 +277,14 @@ impl ReplicaTracker {
         }
         // Keep the requests' buffers for the next run.
         self.requests.extend(chosen.into_iter().map(|t| t.request));
-        self.last = RunStats {
-            full_scan: false,
-            looked_at,
-            ordered_by_scan,
-        };
+        self.state.end_changed_only(looked_at, ordered_by_scan);
         Ok((nkeys, ndrop))
     }
 }
 
 /// Sort `chosen` into the iteration order of `tasks`.
 ///
-/// When the set's table can be read (see `py_set_order`), each task's slot is
+/// When the set's table can be read (see `set_order`), each task's slot is
 /// found next to where its hash puts it, and slots are the iteration order;
 /// a task not found there (rare: a long collision chain) sends everyone
 /// through one pass over the table that only compares addresses. Sets that
@@ -436,7 +343,7 @@ fn ranks_by_pass(items: impl Iterator<Item = usize>, chosen: &[Prepared<'_>]) ->
 
 /// AssertionError unless the tasks with drops to suggest are exactly those a
 /// full scan finds.
-fn check_against_full_scan(
+fn check_against_full_scan<D: Decider>(
     tasks: &Bound<'_, PyAny>,
     pending: &Bound<'_, PyDict>,
     targets: Option<&Bound<'_, PyDict>>,
@@ -446,7 +353,7 @@ fn check_against_full_scan(
     let mut missed = Vec::new();
     let mut full = 0usize;
     for ts in tasks.try_iter()? {
-        let ev = AmmRun::evaluate(ts?, None, Some(pending), targets)?;
+        let ev = D::evaluate(ts?, None, Some(pending), targets)?;
         if ev.ndrop > 0 {
             full += 1;
             if !ours.contains_key(&addr(&ev.ts)) {

@@ -1,7 +1,7 @@
 //! Cross-process core of the local shared-memory scheduler
 //! (`dask_shm.local`): map a spill-format file written by another process,
 //! and tell whether the pages of a private file mapping still hold the file's
-//! bytes. Pure Rust; `py_local_transport` is its Python face.
+//! bytes. Pure Rust; the binding's `local_transport` module is its Python face.
 //!
 //! Writing goes through `FileStore::put` (each process has its own store on the
 //! shared directory); these functions only read.

@@ -34,7 +34,7 @@
 //!   which is immutable from then on.
 //!
 //! Nothing here touches Python: the numpy allocator callbacks
-//! (`born_py.rs`) call these methods without the GIL.
+//! (the binding's `born` module) call these methods without the GIL.
 //!
 //! A child process forked from the arena's owner inherits its state and its
 //! `MAP_SHARED` mappings, whose pages are still the parent's: in the child

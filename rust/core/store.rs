@@ -24,7 +24,7 @@
 //! crash guarantee above holds; pooled files are not entries (not in the
 //! ledger, not in `names()`), are never read, and are deleted on drop.
 //!
-//! Nothing here touches Python: `py_store` wraps it and releases the GIL
+//! Nothing here touches Python: the binding's `store` module wraps it and releases the GIL
 //! around every call that does I/O.
 
 use std::fs::{self, File};
@@ -261,7 +261,7 @@ impl FileStore {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let tmp = self.dir.join(format!(".tmp-{}-{n}", self.tag));
         let mut file = create_private(&tmp)?;
-        if let Err(e) = crate::tier::copy_file(src, &mut file, len) {
+        if let Err(e) = crate::fs::copy_file(src, &mut file, len) {
             drop(file);
             let _ = fs::remove_file(&tmp);
             return Err(e);

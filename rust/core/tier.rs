@@ -2,101 +2,14 @@
 //! tmpfs store to a store on a real file system (`move_entry`), and the
 //! tier-2 byte budget that decides which files move (`TierBudget`).
 //!
-//! The move copies in the kernel (`copy_file_range`, else `sendfile`, else
-//! read/write), publishes the copy whole under the destination's naming
-//! rules, accounts it there with the same memory size, and only then removes
-//! the source entry: a failure at any step leaves the source untouched.
+//! The move copies in the kernel ([`crate::fs::copy_file`]), publishes the
+//! copy whole under the destination's naming rules, accounts it there with the
+//! same memory size, and only then removes the source entry: a failure at any
+//! step leaves the source untouched.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{self, Read, Write};
-use std::os::unix::io::AsRawFd;
 
 use crate::store::{FileStore, StoreError};
-
-/// Copy `len` bytes of `src` (from offset 0) to `dst` (at its current offset 0,
-/// freshly created). Uses `copy_file_range`, falling back to `sendfile` and
-/// then to a plain read/write loop when the kernel refuses (EXDEV across
-/// file system types, ENOSYS, EINVAL, EOPNOTSUPP).
-pub fn copy_file(src: &File, dst: &mut File, len: u64) -> io::Result<()> {
-    let mut done = 0u64;
-    let mut method = 0; // 0 copy_file_range, 1 sendfile, 2 read/write
-    while done < len {
-        let chunk = ((len - done).min(1 << 30)) as usize;
-        let n = match method {
-            0 => {
-                let mut off_in = done as libc::loff_t;
-                let mut off_out = done as libc::loff_t;
-                // SAFETY: both descriptors are open; offsets are valid pointers.
-                unsafe {
-                    libc::copy_file_range(
-                        src.as_raw_fd(),
-                        &mut off_in,
-                        dst.as_raw_fd(),
-                        &mut off_out,
-                        chunk,
-                        0,
-                    )
-                }
-            }
-            1 => {
-                let mut off_in = done as libc::off_t;
-                // sendfile writes at the output's file offset.
-                // SAFETY: both descriptors are open; offset is a valid pointer.
-                unsafe { libc::sendfile(dst.as_raw_fd(), src.as_raw_fd(), &mut off_in, chunk) }
-            }
-            _ => {
-                copy_read_write(src, dst, done, len)?;
-                return Ok(());
-            }
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::EXDEV | libc::ENOSYS | libc::EINVAL | libc::EOPNOTSUPP)
-                    if method < 2 =>
-                {
-                    method += 1;
-                    if method == 1 {
-                        // sendfile appends at the output offset: position it.
-                        use std::io::Seek;
-                        dst.seek(io::SeekFrom::Start(done))?;
-                    }
-                    continue;
-                }
-                _ => return Err(e),
-            }
-        }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("source ended after {done} of {len} bytes"),
-            ));
-        }
-        done += n as u64;
-    }
-    Ok(())
-}
-
-fn copy_read_write(src: &File, dst: &mut File, from: u64, len: u64) -> io::Result<()> {
-    use std::io::Seek;
-    let mut src = src.try_clone()?;
-    src.seek(io::SeekFrom::Start(from))?;
-    dst.seek(io::SeekFrom::Start(from))?;
-    let mut left = len - from;
-    let mut buf = vec![0u8; 1 << 20];
-    while left > 0 {
-        let want = (left as usize).min(buf.len());
-        let n = src.read(&mut buf[..want])?;
-        if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source ended"));
-        }
-        dst.write_all(&buf[..n])?;
-        left -= n as u64;
-    }
-    Ok(())
-}
 
 /// Move entry `name` of `src` into `dst`: copy its file, account it in `dst`
 /// with the same memory size, then remove it from `src`. Returns the entry's
@@ -308,25 +221,6 @@ mod tests {
         assert!(src.sizes(&name).is_some(), "source entry kept on failure");
         assert!(dst.is_empty());
         assert_eq!(std::fs::read_dir(dst.directory()).unwrap().count(), 0);
-    }
-
-    #[test]
-    fn copy_file_falls_back_across_file_systems() {
-        // /dev/shm (tmpfs) -> a temp dir (usually another file system): the
-        // copy must work whichever primitive the kernel accepts.
-        let shm = std::path::Path::new("/dev/shm");
-        if !shm.is_dir() {
-            return;
-        }
-        let a = tempfile::tempdir_in(shm).unwrap();
-        let b = tempfile::tempdir().unwrap();
-        let data: Vec<u8> = (0..5_000_001u32).map(|i| (i % 251) as u8).collect();
-        std::fs::write(a.path().join("f"), &data).unwrap();
-        let src = File::open(a.path().join("f")).unwrap();
-        let mut dst = File::create(b.path().join("g")).unwrap();
-        copy_file(&src, &mut dst, data.len() as u64).unwrap();
-        drop(dst);
-        assert_eq!(std::fs::read(b.path().join("g")).unwrap(), data);
     }
 
     #[test]

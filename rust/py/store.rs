@@ -8,10 +8,10 @@ use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyList, PyMemoryView};
 
+use crate::buffers::{slices_from_raw, HeldBuffer, MappedFile};
 use crate::errors::{directory_error, io_error_at, peer_err, to_pyerr_at};
-use crate::peer::{open_peer_file, PeerFile};
-use crate::py_buffers::{slices_from_raw, HeldBuffer, MappedFile};
-use crate::store::{FileStore as Store, PutOutcome};
+use dask_shm_core::peer::{open_peer_file, PeerFile};
+use dask_shm_core::store::{FileStore as Store, PutOutcome};
 
 fn open_peer(
     py: Python<'_>,

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 
 use crate::errors::to_pyerr_at;
-use crate::py_store::FileStore;
-use crate::tier::{self, TierBudget as Budget};
+use crate::store::FileStore;
+use dask_shm_core::tier::{self, TierBudget as Budget};
 
 /// Move entry `name` of `src` into `dst` (copy in the kernel, account, then
 /// remove the source), with the GIL released. Returns `(name in dst, disk
@@ -24,7 +24,7 @@ pub fn move_entry(
         .map_err(|e| to_pyerr_at(e, &d.path_of(name)))
 }
 
-/// Byte budget of tier 2 in least-recently-used order (see `rust/tier.rs`).
+/// Byte budget of tier 2 in least-recently-used order (see `dask_shm_core::tier`).
 #[pyclass(module = "dask_shm._core", frozen)]
 pub struct TierBudget {
     inner: Mutex<Budget>,

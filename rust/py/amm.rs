@@ -1,4 +1,4 @@
-//! Python face of the AMM core (`crate::amm`): `dask_shm._core.AmmRun`.
+//! Python face of the AMM core (`dask_shm_core::amm`): `dask_shm._core.AmmRun`.
 //!
 //! One `AmmRun` serves one Active Memory Manager run. It holds the run's
 //! `WorkerState` objects (strong references, so their addresses identify them
@@ -6,7 +6,7 @@
 //! gather plain inputs from the scheduler's Python objects
 //! (`TaskState.who_has` / `waiters` / `processing_on` / `nbytes` / `actor` /
 //! `state` / `key`, `WorkerState.has_what`, and the manager's `pending` dict
-//! `{TaskState: (set[WorkerState], set[WorkerState])}`), let `crate::amm`
+//! `{TaskState: (set[WorkerState], set[WorkerState])}`), let `dask_shm_core::amm`
 //! decide, and write the decisions back into `pending` exactly as the stock
 //! manager fills it. No policy logic lives here.
 //!
@@ -14,40 +14,18 @@
 //! run (not in `scheduler.workers` when it started) are ignored where stock
 //! would intersect with the cluster's workers.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList, PySet, PyTuple};
 
-use crate::amm::{
+use crate::amm_task::{len_or_zero, Decider, Evaluated, Prefetched, Prepared, WaitingOn};
+use crate::amm_tracker::ReplicaTracker;
+use crate::set_order::SetTable;
+use dask_shm_core::addr_map::AddrMap;
+use dask_shm_core::amm::{
     self, DropRequest, Measure, MemoryInputs, Reject, RetireOutcome, RetireRequest, WorkerTable,
 };
-use crate::py_amm_tracker::ReplicaTracker;
-use crate::py_set_order::SetTable;
-use crate::py_slots::{prefetch_ahead, prefetch_at, SlotOffsets};
-
-/// Hasher for object addresses: one multiply (addresses are already unique).
-#[derive(Default)]
-pub(crate) struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_usize(&mut self, n: usize) {
-        self.0 = ((n as u64) >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-pub(crate) type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
 
 type Entry<'py> = (Bound<'py, PySet>, Bound<'py, PySet>);
 
@@ -71,39 +49,8 @@ fn split_entry<'py>(value: &Bound<'py, PyAny>) -> PyResult<Entry<'py>> {
     ))
 }
 
-/// `len(obj)`, 0 for None.
-pub(crate) fn len_or_zero(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
-    if obj.is_none() {
-        Ok(0)
-    } else {
-        obj.len()
-    }
-}
-
-/// Where the waiters of one task are processing (`processing_on` of each
-/// waiter that has one, by address), gathered while counting their places,
-/// so that deciding the task's drops need not read the waiters again.
-#[derive(Clone, Copy)]
-pub(crate) struct WaitingOn {
-    on: [usize; amm::MAX_COUNTED_WAITERS],
-    len: usize,
-}
-
-impl WaitingOn {
-    fn new() -> Self {
-        WaitingOn {
-            on: [0; amm::MAX_COUNTED_WAITERS],
-            len: 0,
-        }
-    }
-
-    fn as_slice(&self) -> &[usize] {
-        &self.on[..self.len]
-    }
-}
-
 /// Call `f` on each item of `obj` (an iterable). A small exact set is read
-/// from its table (see `py_set_order`) instead of through an iterator object.
+/// from its table (see `set_order`) instead of through an iterator object.
 fn for_each_member<'py>(
     obj: &Bound<'py, PyAny>,
     mut f: impl FnMut(Bound<'py, PyAny>) -> PyResult<()>,
@@ -258,138 +205,6 @@ pub fn rejections(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         out.set_item(r.code(), r.message())?;
     }
     Ok(out)
-}
-
-/// Ask the CPU to start loading `lines` cache lines of `obj` after its first
-/// (which the caller has just touched). A hint: no effect on results.
-#[inline]
-fn prefetch_lines(obj: &Bound<'_, PyAny>, lines: usize) {
-    prefetch_at(obj.as_ptr() as usize, 1..=lines);
-}
-
-/// The `TaskState` attributes a run reads from many tasks, in the order of
-/// their `SlotOffsets`.
-const TASK_SLOTS: [&str; 4] = ["who_has", "waiters", "nbytes", "key"];
-/// Cache lines (after the first) that hold those attributes and `actor` in
-/// a `TaskState` (its slots end 288 bytes in; `actor` lies at 224).
-pub(crate) const TASK_LINES: usize = 4;
-
-/// Where the `TaskState` attributes of `TASK_SLOTS` lie in objects of `ts`'s
-/// class, if they are plain slots.
-pub(crate) fn task_slots(ts: &Bound<'_, PyAny>) -> Option<SlotOffsets> {
-    SlotOffsets::of(&ts.get_type(), &TASK_SLOTS)
-}
-
-/// Prefetch the objects `ts`'s `who_has`, `waiters` (a small set keeps its
-/// items in its first three lines), `nbytes` and `key` point to.
-pub(crate) fn prefetch_values(slots: &SlotOffsets, ts: &Bound<'_, PyAny>) {
-    for (i, lines) in [2, 2, 0, 0].into_iter().enumerate() {
-        match slots.peek(ts, i) {
-            Some(0) | None => {}
-            Some(a) => prefetch_at(a, 0..=lines),
-        }
-    }
-}
-
-/// The attributes ReduceReplicas reads from a task, read ahead of its
-/// evaluation: reading them for a batch of tasks in a tight loop lets the CPU
-/// fetch many tasks' objects at once (the reads are mostly cache misses).
-pub(crate) struct Prefetched<'py> {
-    who_has: Bound<'py, PyAny>,
-    waiters: Bound<'py, PyAny>,
-    actor: Bound<'py, PyAny>,
-    nbytes: Bound<'py, PyAny>,
-    /// Read here, where its object was prefetched, for the deferred log.
-    key: Bound<'py, PyAny>,
-}
-
-impl<'py> Prefetched<'py> {
-    /// Prefetch the objects of the task's waiters (their reference count and
-    /// `processing_on`, 104 bytes in: within the first three cache lines
-    /// whatever the alignment), when `waiters` is a small set whose table can
-    /// be read without touching them.
-    pub(crate) fn prefetch_waiters(&self) {
-        if let Some(table) = SetTable::of(&self.waiters) {
-            for a in table.addresses().take(amm::MAX_COUNTED_WAITERS) {
-                prefetch_at(a, 0..=2);
-            }
-        }
-    }
-
-    /// `read` for each of `tasks` (in order), with the objects of the tasks
-    /// a few steps ahead, and then the objects their attributes point to,
-    /// prefetched (see `py_slots`): the misses of many tasks overlap.
-    pub(crate) fn read_all(tasks: &[(usize, Bound<'py, PyAny>)]) -> Vec<Option<Self>> {
-        let slots = tasks.first().and_then(|(_, ts)| task_slots(ts));
-        let mut out = Vec::with_capacity(tasks.len());
-        for (i, (_, ts)) in tasks.iter().enumerate() {
-            prefetch_ahead(
-                tasks,
-                i,
-                |(a, _)| prefetch_at(*a, 0..=TASK_LINES),
-                |(_, later)| {
-                    if let Some(slots) = &slots {
-                        prefetch_values(slots, later);
-                    }
-                },
-            );
-            out.push(Self::read(ts));
-        }
-        out
-    }
-
-    /// Read `ts`'s attributes and prefetch the small-set tables of `who_has`
-    /// and `waiters`; None if a read fails (the evaluation then reads them
-    /// itself, and raises where it would have).
-    pub(crate) fn read(ts: &Bound<'py, PyAny>) -> Option<Self> {
-        let py = ts.py();
-        let who_has = ts.getattr(intern!(py, "who_has")).ok()?;
-        let waiters = ts.getattr(intern!(py, "waiters")).ok()?;
-        let actor = ts.getattr(intern!(py, "actor")).ok()?;
-        let nbytes = ts.getattr(intern!(py, "nbytes")).ok()?;
-        let key = ts.getattr(intern!(py, "key")).ok()?;
-        // A set of up to 5 items keeps them inside the object (CPython's
-        // `smalltable`, the 2nd to 4th cache lines).
-        prefetch_lines(&who_has, 3);
-        prefetch_lines(&waiters, 3);
-        Some(Prefetched {
-            who_has,
-            waiters,
-            actor,
-            nbytes,
-            key,
-        })
-    }
-}
-
-/// ReduceReplicas' look at one task: how many drops it suggests.
-pub(crate) struct Evaluated<'py> {
-    pub ts: Bound<'py, PyAny>,
-    who_has: Bound<'py, PyAny>,
-    pub n_holders: i64,
-    /// Drops suggested ignoring this run's pending actions (> 0: over-replicated).
-    pub base_excess: i64,
-    existing: Option<Bound<'py, PyAny>>,
-    /// Where the waiters are processing, if they were read.
-    waiting_on: Option<WaitingOn>,
-    /// `ts.actor` and `ts.nbytes`, if read ahead.
-    actor_nbytes: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-    /// `ts.key`, if read ahead.
-    key: Option<Bound<'py, PyAny>>,
-    /// Drops suggested in this run.
-    pub ndrop: i64,
-}
-
-/// A task ReduceReplicas suggests drops for, with its inputs gathered.
-pub(crate) struct Prepared<'py> {
-    pub ts: Bound<'py, PyAny>,
-    /// Drops suggested ignoring this run's pending actions.
-    pub base_excess: i64,
-    drop_set: Option<Bound<'py, PySet>>,
-    /// `ts.key`, if read ahead.
-    key: Option<Bound<'py, PyAny>>,
-    pub request: DropRequest,
-    pub ndrop: i64,
 }
 
 /// An accepted action of a deferring bulk policy.
@@ -781,6 +596,35 @@ impl AmmRun {
 
     pub(crate) fn table(&self) -> &WorkerTable {
         &self.table
+    }
+}
+
+impl Decider for AmmRun {
+    fn evaluate<'py>(
+        ts: Bound<'py, PyAny>,
+        ahead: Option<Prefetched<'py>>,
+        pending: Option<&Bound<'py, PyDict>>,
+        targets: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Evaluated<'py>> {
+        AmmRun::evaluate(ts, ahead, pending, targets)
+    }
+
+    fn prepare<'py>(
+        &mut self,
+        ev: Evaluated<'py>,
+        pending: &Bound<'py, PyDict>,
+        defer: bool,
+        request: DropRequest,
+    ) -> PyResult<Prepared<'py>> {
+        AmmRun::prepare(self, ev, pending, defer, request)
+    }
+
+    fn decide(&mut self, task: &Prepared<'_>) -> PyResult<usize> {
+        AmmRun::decide(self, task)
+    }
+
+    fn table(&self) -> &WorkerTable {
+        AmmRun::table(self)
     }
 }
 

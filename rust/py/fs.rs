@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 
-use crate::fs;
+use dask_shm_core::fs;
 
 /// Whether `path` lies on a RAM-backed file system (tmpfs, ramfs or
 /// hugetlbfs, by `statfs` magic number): dask-shm's one rule for "this is

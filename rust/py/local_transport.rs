@@ -9,10 +9,10 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::buffers::{export_bytes, MappedFile};
 use crate::errors::to_pyerr_at;
-use crate::local_transport::{map_published, pages_unmodified};
-use crate::py_buffers::{export_bytes, MappedFile};
-use crate::store::StoreError;
+use dask_shm_core::local_transport::{map_published, pages_unmodified};
+use dask_shm_core::store::StoreError;
 
 /// A mapping, its base address and the `(offset, length)` of each frame.
 type MappedFrames = (Py<MappedFile>, usize, Vec<(u64, u64)>);

@@ -2,7 +2,7 @@
 //!
 //! Stock ReduceReplicas decides tasks in the iteration order of
 //! `scheduler.replicated_tasks`. When the tracker needs that order for a few
-//! tasks (see `py_amm_tracker::order_as_iterated`), iterating the set through
+//! tasks (see `amm_tracker::order_as_iterated`), iterating the set through
 //! the C API costs one reference-count write per item, that is one cache miss
 //! per task of the cluster (~60 ns each: 6 ms for 100k tasks). A set iterates
 //! in the order of its hash-table slots, so reading the slots' key pointers

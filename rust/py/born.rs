@@ -1,4 +1,4 @@
-//! Python face of [`crate::born`]: the process-wide arena, numpy's data
+//! Python face of [`dask_shm_core::born`]: the process-wide arena, numpy's data
 //! memory handler (`PyDataMem_Handler`, numpy >= 1.22) that serves large
 //! array allocations from it, and the look-ups the spill store uses.
 //!
@@ -16,7 +16,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::born::{default_cache, Arena, Realloc, Settings};
+use dask_shm_core::born::{default_cache, Arena, Realloc, Settings};
 
 /// The arena every born-shared allocation of this process comes from.
 pub static ARENA: Arena = Arena::new();

@@ -198,7 +198,7 @@ pub fn mapped_ranges(device: u64, inode: u64) -> Vec<(usize, usize)> {
         .and_then(|t| t.get(&(device, inode)))
         .map(|ranges| {
             // The kernel maps whole pages: the last partial page is mapped too.
-            let page = crate::fs::page_size();
+            let page = dask_shm_core::fs::page_size();
             ranges
                 .iter()
                 .map(|&(s, l)| (s, s + l.div_ceil(page) * page))

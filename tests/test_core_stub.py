@@ -1,0 +1,45 @@
+"""``python/dask_shm/_core.pyi`` matches the compiled ``dask_shm._core``.
+
+mypy's stubtest imports the extension the tests run against and compares every
+name, signature and class in the stub with it; a Rust change that adds,
+renames or re-signs something without updating the stub fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dask_shm
+
+ALLOWLIST = Path(__file__).with_name("core_stub_allowlist.txt")
+
+
+# stubtest analyses the stub without a cache (about a minute of CPU): past
+# the suite's default per-test timeout on a loaded machine.
+@pytest.mark.timeout(900)
+def test_stub_matches_compiled_module() -> None:
+    package_root = Path(dask_shm.__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(package_root), env.get("PYTHONPATH", "")) if p
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy.stubtest",
+            "dask_shm._core",
+            "--allowlist",
+            str(ALLOWLIST),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=840,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
