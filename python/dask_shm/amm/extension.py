@@ -62,7 +62,7 @@ def log_choice(
         verb = "replicating to" if op == "replicate" else "dropping from"
         task_logger.debug("(%s, %s, %s): %s %s", op, ts, candidates, verb, choice)
         return
-    # AMM_REJECTIONS (defined once, in rust/amm.rs): code -> stock's message, a
+    # AMM_REJECTIONS (defined once, in rust/core/amm.rs): code -> stock's message, a
     # str.format template over the task's state; empty where stock logs nothing.
     message = AMM_REJECTIONS.get(reject)
     if message:

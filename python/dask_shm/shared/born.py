@@ -19,7 +19,7 @@ still count against the budget and as the process's own memory
 block needs their budget, on :func:`stop` and :func:`release_cache`.
 
 Each block's file has one page in front of the array's bytes. :func:`seal`
-writes a spill-file header there (the format of ``rust/format.rs``, the
+writes a spill-file header there (the format of ``rust/core/format.rs``, the
 header frame padded so the array's frame starts exactly at that page) and
 remaps the owner's pages private copy-on-write at the same address: the file
 is then a complete, immutable spill file a store can adopt and a peer can
@@ -46,7 +46,7 @@ from dask_shm import _core
 DEFAULT_THRESHOLD = 1 << 20
 #: Largest default free cache (see :func:`default_cache`).
 DEFAULT_CACHE_MAX = 256 << 20
-# rust/format.rs: magic, u32 frame count, u64 per frame length; frames of
+# rust/core/format.rs: magic, u32 frame count, u64 per frame length; frames of
 # FRAME_ALIGN_MIN_LEN bytes or more start on a FRAME_ALIGNMENT boundary.
 _MAGIC = b"DSK2"
 _ALIGN = _core.FRAME_ALIGNMENT
@@ -188,7 +188,7 @@ def whole_block(value: object) -> Block | None:
 
 def file_prefix(header: dict, payload: int) -> bytes | None:
     """The bytes that make a block of ``payload`` bytes a valid spill file
-    ``[msgpack(header), payload]`` in ``rust/format.rs``'s layout: frame
+    ``[msgpack(header), payload]`` in ``rust/core/format.rs``'s layout: frame
     table, then ``header`` padded (an extra ``born-padding`` entry, ignored by
     deserializers) so that the payload frame starts exactly at
     ``born_header_size()``. None if the header does not fit or the payload is
