@@ -96,11 +96,34 @@ def _prometheus_collectors() -> bool:
     )
 
 
+def _shuffle_run_methods() -> bool:
+    from distributed.shuffle._core import ShuffleRun
+    from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
+
+    send = getattr(ShuffleRun, "_send", None)
+    return (
+        all(
+            inspect.iscoroutinefunction(getattr(ShuffleRun, name, None))
+            for name in ("_send", "receive", "close")
+        )
+        and list(inspect.signature(send).parameters) == ["self", "address", "shards"]  # type: ignore[arg-type]
+        and list(inspect.signature(ShuffleRun.receive).parameters) == ["self", "data"]
+        and _code_mentions(send, "shuffle_receive")
+        and _code_mentions(ShuffleWorkerPlugin.shuffle_receive, "receive")
+    )
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         'distributed.worker.Worker.handlers["get_data"]',
         "shared-memory mode's same-host transfers by hard link",
         _worker_get_data,
+    ),
+    Hook(
+        "distributed.shuffle._core.ShuffleRun._send / .receive / .close "
+        '(the "shuffle_receive" RPC)',
+        "shared-memory mode's P2P shuffle and rechunk batches by file",
+        _shuffle_run_methods,
     ),
     Hook(
         "distributed.system_monitor.SystemMonitor.get_process_memory",
