@@ -13,12 +13,21 @@ import sys
 import time
 
 import dask
+import dask.array as da
 import dask.dataframe as dd
+import numpy as np
 import pandas as pd
 import pytest
 from clusters import NO_AMM, worker_addresses
 from distributed import Client, LocalCluster, futures_of, wait
-from p2p_workload import PARTITIONS, part, shared_config, shuffled_checksum
+from p2p_workload import (
+    ARRAY_SIDE,
+    PARTITIONS,
+    part,
+    rechunked_checksum,
+    shared_config,
+    shuffled_checksum,
+)
 from tmpfs import small_tmpfs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -189,3 +198,28 @@ def test_a_worker_killed_mid_shuffle_recovers_as_stock(shared_client, shm_root):
     wait(result)
     del result
     wait_for_no_leftovers(shm_root)
+
+
+def test_batches_that_do_not_fit_the_root_go_by_tcp():
+    # 64 MiB rechunk batches on a 24 MiB root: writing them fails (ENOSPC),
+    # and the same batches are sent the stock way.
+    with (
+        small_tmpfs("24m") as root,
+        dask.config.set({**NO_AMM, **shared_config(root)}),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit="2GiB",
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        got = rechunked_checksum(client)
+        x = da.random.default_rng(0).random((ARRAY_SIDE, ARRAY_SIDE), chunks=(ARRAY_SIDE, 256))
+        weights = np.arange(ARRAY_SIDE, dtype=float)
+        assert got == pytest.approx(float((x * weights).sum().compute(scheduler="sync")), rel=1e-12)
+        counters = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
+        assert sum(c["p2p_file_fallbacks"] for c in counters.values()) >= 1, counters
+        assert sum(c["p2p_tcp_bytes"] for c in counters.values()) >= 64 * 2**20, counters
+        assert leftovers(root) == []
