@@ -7,10 +7,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 
 import dask
 import dask.array as da
@@ -20,6 +23,7 @@ import pandas as pd
 import pytest
 from clusters import NO_AMM, worker_addresses
 from distributed import Client, LocalCluster, futures_of, wait
+from hosts import two_hosts
 from p2p_workload import (
     ARRAY_SIDE,
     PARTITIONS,
@@ -223,3 +227,62 @@ def test_batches_that_do_not_fit_the_root_go_by_tcp():
         assert sum(c["p2p_file_fallbacks"] for c in counters.values()) >= 1, counters
         assert sum(c["p2p_tcp_bytes"] for c in counters.values()) >= 64 * 2**20, counters
         assert leftovers(root) == []
+
+
+def test_cross_host_batches_go_by_tcp_same_host_ones_by_file():
+    # Two workers on host A share its tmpfs; host B's worker sees its own
+    # tmpfs under the same path (a separate machine): A<->A by file, A<->B by TCP.
+    tag = uuid.uuid4().hex[:8]
+    shm = tempfile.mkdtemp(prefix=f"dask-shm-p2p-{tag}-", dir="/dev/shm")
+    b_shm = tempfile.mkdtemp(prefix=f"dask-shm-p2p-{tag}-bshm-")
+    mounted = False
+    try:
+        with two_hosts() as hosts:
+            proc = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=512m,mode=1777", "tmpfs", b_shm],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+            mounted = True
+            hosts.binds_b.append((b_shm, shm))
+            env = {
+                "DASK_SHM__SHARED_MEMORY__ENABLED": "True",
+                "DASK_SHM__SHARED_MEMORY__ROOT": shm,
+                "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
+                # the workers unpickle p2p_workload's functions
+                "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+            }
+            with (
+                LocalCluster(
+                    n_workers=0,
+                    host=hosts.ip_a,
+                    scheduler_port=0,
+                    dashboard_address=":0",
+                    processes=True,
+                ) as cluster,
+                Client(cluster) as client,
+            ):
+                for host, name in (("a", "a1"), ("a", "a2"), ("b", "b1")):
+                    hosts.start_worker(host, cluster.scheduler_address, env, name)
+                client.wait_for_workers(3, timeout=120)
+                names = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+                assert shuffled_checksum(client) == pytest.approx(expected_checksum(), rel=1e-12)
+                counters = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
+                on = {name: counters[address] for name, address in names.items()}
+                for name in ("a1", "a2"):
+                    # to the other host-A worker (and itself) by file, to b1 by TCP
+                    assert on[name]["p2p_file_batches"] > 0, on
+                    assert on[name]["p2p_tcp_batches"] > 0, on
+                    assert on[name]["p2p_file_fallbacks"] == 0, on
+                # b1 shares a root with no one but itself
+                assert on["b1"]["p2p_tcp_batches"] > 0, on
+                hosts.stop_workers()
+        assert leftovers(shm) == [] and leftovers(b_shm) == []
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", b_shm], check=False)
+        for d in (shm, b_shm):
+            shutil.rmtree(d, ignore_errors=True)
