@@ -98,6 +98,7 @@ def _prometheus_collectors() -> bool:
 
 def _shuffle_run_methods() -> bool:
     from distributed.shuffle._core import ShuffleRun
+    from distributed.shuffle._memory import MemoryShardsBuffer  # noqa: F401
     from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
 
     send = getattr(ShuffleRun, "_send", None)
@@ -110,6 +111,7 @@ def _shuffle_run_methods() -> bool:
         and list(inspect.signature(ShuffleRun.receive).parameters) == ["self", "data"]
         and _code_mentions(send, "shuffle_receive")
         and _code_mentions(ShuffleWorkerPlugin.shuffle_receive, "receive")
+        and "_disk_buffer" in ShuffleRun.__annotations__
     )
 
 
@@ -121,7 +123,7 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "distributed.shuffle._core.ShuffleRun._send / .receive / .close "
-        '(the "shuffle_receive" RPC)',
+        '(the "shuffle_receive" RPC) and ._disk_buffer (MemoryShardsBuffer or not)',
         "shared-memory mode's P2P shuffle and rechunk batches by file",
         _shuffle_run_methods,
     ),

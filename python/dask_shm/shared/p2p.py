@@ -15,7 +15,10 @@ for runs of a worker registered with :func:`enable`):
   pickle) or the receiver cannot use it, the same batch is sent the stock way.
   Other peers get the stock call.
 - ``receive``: a handle is opened (mapped copy-on-write, unlinked at once),
-  and the shards go to distributed's own receive path. A handle it cannot
+  and the shards go to distributed's own receive path. A run that keeps
+  shards in memory (``distributed.p2p.storage.disk: false``) gets a copy of
+  each shard's buffer, as stock deserialization gives, so that a consumed
+  output chunk frees its memory without waiting for the rest of its batch. A handle it cannot
   use is answered with an error carrying :data:`RESEND`, which the sender
   turns into a stock resend: a shuffle never fails because of us.
 - ``close``: the run's directory goes with the run (finished, failed or
@@ -181,7 +184,13 @@ async def _resend(
     return await original(run, address, batch)
 
 
-def _open(files: WorkerFiles | None, msg: Any) -> list | bytes:
+def _keeps_shards_in_memory(run: ShuffleRun) -> bool:
+    from distributed.shuffle._memory import MemoryShardsBuffer
+
+    return isinstance(getattr(run, "_disk_buffer", None), MemoryShardsBuffer)
+
+
+def _open(files: WorkerFiles | None, msg: Any, copy: bool) -> list | bytes:
     """The batch a handle names; ShardFileError if this worker cannot use it."""
     if files is None:
         raise ShardFileError("this worker does not receive shard files")
@@ -189,7 +198,7 @@ def _open(files: WorkerFiles | None, msg: Any) -> list | bytes:
     if handle.token != files.token:
         raise ShardFileError("the shard file is on a root this worker does not share")
     path = os.path.join(paths.user_root(files.root), handle.relpath)
-    return shard_file.read(path, handle.size, handle.nonce)
+    return shard_file.read(path, handle.size, handle.nonce, copy=copy)
 
 
 def _wrap_send(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -208,11 +217,11 @@ def _wrap_receive(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awai
     async def receive(self: ShuffleRun, data: Any) -> Any:
         if isinstance(data, dict) and HANDLE_KEY in data:
             try:
-                data = _open(_workers.get(self.local_address), data[HANDLE_KEY])
-            except ShardFileError as e:
+                files = _workers.get(self.local_address)
+                data = _open(files, data[HANDLE_KEY], _keeps_shards_in_memory(self))
+            except Exception as e:  # whatever it is, the batch comes again as bytes
                 logger.info("dask-shm: %s: %s; asking for bytes", self, e)
                 return {**error_message(e), RESEND: True}
-            files = _workers.get(self.local_address)
             if files is not None:
                 files.buffer.shm_counters["p2p_received_file_batches"] += 1
         return await original(self, data)

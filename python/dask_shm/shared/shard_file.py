@@ -7,8 +7,10 @@ protocol-5 pickle of the batch, then its out-of-band buffers (numpy arrays'
 data), each 64-byte aligned. :func:`read` maps the file copy-on-write,
 checks it is the file the handle names (size and nonce), unlinks it, and
 rebuilds the batch with the arrays viewing the mapping: no copy of their
-bytes, and writable as a received array is in stock. A batch of bytes comes
-back as bytes (one copy: distributed's receive path wants ``bytes``).
+bytes, and writable as a received array is in stock. A receiver that keeps
+shards in memory asks for a copy of each buffer instead, so that one kept
+shard does not keep its whole batch alive. A batch of bytes comes back as
+bytes (one copy: distributed's receive path wants ``bytes``).
 
 The handle (:class:`ShardFile`) travels as a plain dict (msgpack, no
 pickle): turning it back into an object never runs code of ours during
@@ -122,10 +124,11 @@ def write(path: str, batch: list | bytes) -> tuple[int, str]:
     return offset, nonce.hex()
 
 
-def read(path: str, size: int, nonce: str) -> list | bytes:
+def read(path: str, size: int, nonce: str, *, copy: bool = False) -> list | bytes:
     """The batch in file ``path``, which must be ``size`` bytes and carry
     ``nonce``; the file is unlinked once opened (its pages live on while the
-    batch's arrays view them). Raises ShardFileError for anything else."""
+    batch's arrays view them; with ``copy`` each buffer is copied out, into
+    memory of its own). Raises ShardFileError for anything else."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -139,10 +142,10 @@ def read(path: str, size: int, nonce: str) -> list | bytes:
         raise ShardFileError(f"cannot map shard file {path}: {e}") from e
     finally:
         os.close(fd)
-    return _parse(mapping, nonce, path)
+    return _parse(mapping, nonce, path, copy)
 
 
-def _parse(mapping: mmap.mmap, nonce: str, path: str) -> list | bytes:
+def _parse(mapping: mmap.mmap, nonce: str, path: str, copy: bool) -> list | bytes:
     view = memoryview(mapping)
     magic, found, kind, count, body_len = _HEADER.unpack_from(view, 0)
     if magic != MAGIC or found.hex() != nonce:
@@ -156,7 +159,8 @@ def _parse(mapping: mmap.mmap, nonce: str, path: str) -> list | bytes:
     buffers = []
     for length in lengths:
         offset = _aligned(offset)
-        buffers.append(view[offset : offset + length])
+        buffer = view[offset : offset + length]
+        buffers.append(bytearray(buffer) if copy else buffer)
         offset += length
     if kind != KIND_PICKLE or offset > len(mapping):
         raise ShardFileError(f"shard file {path} is truncated or of an unknown kind")
