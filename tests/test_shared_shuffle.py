@@ -286,3 +286,15 @@ def test_cross_host_batches_go_by_tcp_same_host_ones_by_file():
             subprocess.run(["umount", "-l", b_shm], check=False)
         for d in (shm, b_shm):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_rechunk_with_shards_kept_in_memory(shared_client, shm_root):
+    client = shared_client
+    before = file_batches(client)
+    with dask.config.set({"distributed.p2p.storage.disk": False}):
+        got = rechunked_checksum(client)
+    x = da.random.default_rng(0).random((ARRAY_SIDE, ARRAY_SIDE), chunks=(ARRAY_SIDE, 256))
+    weights = np.arange(ARRAY_SIDE, dtype=float)
+    assert got == pytest.approx(float((x * weights).sum().compute(scheduler="sync")), rel=1e-12)
+    assert file_batches(client) > before
+    wait_for_no_leftovers(shm_root)
