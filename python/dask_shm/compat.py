@@ -96,6 +96,15 @@ def _prometheus_collectors() -> bool:
     )
 
 
+def shuffle_run_methods_present() -> bool:
+    """Whether the ShuffleRun methods :mod:`dask_shm.shared.p2p` wraps are
+    there, as it expects them (a failing check counts as missing)."""
+    try:
+        return _shuffle_run_methods()
+    except Exception:
+        return False
+
+
 def _shuffle_run_methods() -> bool:
     from distributed.shuffle._core import ShuffleRun
     from distributed.shuffle._memory import MemoryShardsBuffer  # noqa: F401

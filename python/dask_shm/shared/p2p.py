@@ -272,14 +272,20 @@ def enable(
     registry: PeerRegistry,
     root: str,
     token: str,
-) -> None:
+) -> bool:
     """Send and receive the P2P batches of the worker at ``address`` by file
-    where the peer shares ``root`` (identity ``token``); raises OSError if its
-    directory cannot be made."""
+    where the peer shares ``root`` (identity ``token``); returns False (and
+    leaves P2P stock) when this distributed lacks the methods wrapped (see
+    :mod:`dask_shm.compat`). Raises OSError if its directory cannot be made."""
+    from dask_shm.compat import shuffle_run_methods_present
+
+    if not shuffle_run_methods_present():
+        return False
     directory = os.path.join(paths.subdir(root, "p2p"), os.path.basename(buffer.store.directory))
     os.makedirs(directory, mode=0o700, exist_ok=True)
     _workers[address] = WorkerFiles(address, buffer, registry, root, token, directory)
     install()
+    return True
 
 
 def disable(address: str) -> None:

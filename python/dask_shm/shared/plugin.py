@@ -135,7 +135,8 @@ class SharedMemoryPlugin(WorkerPlugin):
         self._original_get_data = install_get_data(worker, buffer, self._registry, tokens)
         if 2 in tokens:
             try:
-                p2p.enable(worker.address, buffer, self._registry, root, tokens[2])
+                if not p2p.enable(worker.address, buffer, self._registry, root, tokens[2]):
+                    logger.info("dask-shm: P2P shard batches go as bytes (see dask shm info)")
             except OSError as e:
                 logger.info("dask-shm: P2P shard batches go as bytes: %s", e)
         self._registry.register(worker.address, tokens.values())
