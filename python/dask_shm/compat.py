@@ -127,6 +127,15 @@ def dashboard_hooks_present() -> bool:
         return False
 
 
+def shuffle_run_methods_present() -> bool:
+    """Whether the ShuffleRun methods :mod:`dask_shm.shared.p2p` wraps are
+    there, as it expects them (a failing check counts as missing)."""
+    try:
+        return _shuffle_run_methods()
+    except Exception:
+        return False
+
+
 def worker_pending_plugins_hook() -> bool:
     """Whether ``Worker.start_unsafe`` sets up ``Worker._pending_plugins``
     (the ``plugins=`` argument) after the preloads, raising their errors."""
@@ -147,11 +156,36 @@ def nanny_instantiate_hook() -> bool:
     )
 
 
+def _shuffle_run_methods() -> bool:
+    from distributed.shuffle._core import ShuffleRun
+    from distributed.shuffle._memory import MemoryShardsBuffer  # noqa: F401
+    from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
+
+    send = getattr(ShuffleRun, "_send", None)
+    return (
+        all(
+            inspect.iscoroutinefunction(getattr(ShuffleRun, name, None))
+            for name in ("_send", "receive", "close")
+        )
+        and list(inspect.signature(send).parameters) == ["self", "address", "shards"]  # type: ignore[arg-type]
+        and list(inspect.signature(ShuffleRun.receive).parameters) == ["self", "data"]
+        and _code_mentions(send, "shuffle_receive")
+        and _code_mentions(ShuffleWorkerPlugin.shuffle_receive, "receive")
+        and "_disk_buffer" in ShuffleRun.__annotations__
+    )
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         'distributed.worker.Worker.handlers["get_data"]',
         "shared-memory mode's same-host transfers by hard link",
         _worker_get_data,
+    ),
+    Hook(
+        "distributed.shuffle._core.ShuffleRun._send / .receive / .close "
+        '(the "shuffle_receive" RPC) and ._disk_buffer (MemoryShardsBuffer or not)',
+        "shared-memory mode's P2P shuffle and rechunk batches by file",
+        _shuffle_run_methods,
     ),
     Hook(
         "distributed.system_monitor.SystemMonitor.get_process_memory",

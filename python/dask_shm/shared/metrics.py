@@ -9,7 +9,11 @@ and Prometheus series ``<namespace>_worker_shm_*`` on the worker's
   ``..._shm_link_bytes_total``, ``..._shm_fallback_transfers_total``,
   ``..._shm_fallback_bytes_total``, ``..._shm_received_links_total``,
   ``..._shm_received_bytes_total``, ``..._shm_adopt_failures_total``,
-  ``..._shm_receive_fallback_transfers_total``, ``..._shm_degraded_reads_total``.
+  ``..._shm_receive_fallback_transfers_total``, ``..._shm_degraded_reads_total``,
+  and for P2P shuffles and rechunks ``..._shm_p2p_file_batches_total``,
+  ``..._shm_p2p_file_bytes_total`` (batches handed to same-host peers as
+  files), ``..._shm_p2p_tcp_batches_total``, ``..._shm_p2p_tcp_bytes_total``
+  (sent over the network, stock), ``..._shm_p2p_file_fallbacks_total``.
 
 All carry a ``worker`` label (the worker's address): one process may hold
 several workers (``LocalCluster(processes=False)``)."""
@@ -35,6 +39,11 @@ COUNTERS = (
     "received_links",
     "received_bytes",
     "adopt_failures",
+    "p2p_file_batches",
+    "p2p_file_bytes",
+    "p2p_tcp_batches",
+    "p2p_tcp_bytes",
+    "p2p_file_fallbacks",
 )
 
 _DESCRIPTIONS = {
@@ -56,6 +65,11 @@ _DESCRIPTIONS = {
     "degraded_reads": "Unspills read by copy because of mapping limits",
     "tcp_bytes": "Bytes of values sent to peers as bytes, not by hard link (distributed's "
     "transfer_outgoing_bytes_total less link_bytes)",
+    "p2p_file_batches": "P2P shard batches handed to same-host peers as files",
+    "p2p_file_bytes": "Bytes of P2P shard batches handed to same-host peers as files",
+    "p2p_tcp_batches": "P2P shard batches sent over the network",
+    "p2p_tcp_bytes": "Bytes of P2P shard batches sent over the network (sizeof estimate)",
+    "p2p_file_fallbacks": "P2P shard batches meant to go by file but sent over the network",
 }
 
 
@@ -116,6 +130,11 @@ SERIES: dict[str, Series] = {
     "adopt_failures": Series("adopt_failures", "counter", ""),
     "receive_fallback_transfers": Series("receive_fallback_transfers", "counter", ""),
     "degraded_reads": Series("degraded_reads", "counter", ""),
+    "p2p_file_batches": Series("p2p_file_batches", "counter", ""),
+    "p2p_file_bytes": Series("p2p_file", "counter", "bytes"),
+    "p2p_tcp_batches": Series("p2p_tcp_batches", "counter", ""),
+    "p2p_tcp_bytes": Series("p2p_tcp", "counter", "bytes"),
+    "p2p_file_fallbacks": Series("p2p_file_fallbacks", "counter", ""),
 }
 
 

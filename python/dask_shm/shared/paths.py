@@ -342,12 +342,12 @@ def subdir(root: str, name: str) -> str:
 
 
 #: Subdirectories a process directory may hold when nothing else uses it.
-_SCAFFOLDING = ("outgoing",)
+_SCAFFOLDING = ("outgoing", "p2p")
 
 
 def release_process_dir(root: str) -> bool:
     """Remove this process's directory under ``root`` if nothing is left in it
-    but an empty ``outgoing`` directory, and drop its lock.
+    but empty ``outgoing`` and ``p2p`` directories, and drop its lock.
     Returns True if it was removed. A later :func:`process_dir` makes a new one."""
     base = os.path.join(root, f"dask-shm-{os.geteuid()}")
     with _held_lock:

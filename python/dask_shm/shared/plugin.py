@@ -19,6 +19,7 @@ from dask_shm.shared import (
     limits,
     metrics,
     monitor,
+    p2p,
     paths,
     root_id,
     transfer,
@@ -44,7 +45,9 @@ class SharedMemoryPlugin(WorkerPlugin):
     worker's memory limit and config like the stock buffer; a worker whose
     config disables spilling still gets one, that never spills on its own,
     so it can exchange files); answers same-host peers' ``get_data`` with
-    hard-link handles and accepts theirs into its buffer; makes the memory
+    hard-link handles and accepts theirs into its buffer; hands P2P shuffle
+    and rechunk batches to those peers as files (:mod:`~dask_shm.shared.p2p`);
+    makes the memory
     monitor count private memory plus the worker's 1/k share of its tmpfs
     files (tier 2, within a budget from ``shm.shared-memory.max-bytes``; one
     warning if the root is too small); publishes metrics (``get_metrics()["shm"]``, Prometheus
@@ -130,6 +133,12 @@ class SharedMemoryPlugin(WorkerPlugin):
         )
         transfer.enable_receiving(buffer)
         self._original_get_data = install_get_data(worker, buffer, self._registry, tokens)
+        if 2 in tokens:
+            try:
+                if not p2p.enable(worker.address, buffer, self._registry, root, tokens[2]):
+                    logger.info("dask-shm: P2P shard batches go as bytes (see dask shm info)")
+            except OSError as e:
+                logger.info("dask-shm: P2P shard batches go as bytes: %s", e)
         self._registry.register(worker.address, tokens.values())
         monitor.install_worker_monitor(worker, buffer)
         metrics.install(worker)
@@ -153,6 +162,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         if registry is None:
             return
         registry.unregister(worker.address)
+        p2p.disable(worker.address)
         self._born.teardown(worker)
         worker.handlers["get_data"] = self._original_get_data
         worker.__dict__.pop("gather_dep", None)

@@ -1,0 +1,177 @@
+"""One P2P shard batch as one file on the shared-memory root.
+
+:func:`write` lays a batch (what ``ShuffleRun._send`` is given: a list of
+shards, or the bytes distributed already pickled small shards into) out in a
+file: a fixed header (magic, a random nonce, the kind, the sizes), then the
+protocol-5 pickle of the batch, then its out-of-band buffers (numpy arrays'
+data), each 64-byte aligned. :func:`read` maps the file copy-on-write,
+checks it is the file the handle names (size and nonce), unlinks it, and
+rebuilds the batch with the arrays viewing the mapping: no copy of their
+bytes, and writable as a received array is in stock. A receiver that keeps
+shards in memory asks for a copy of each buffer instead, so that one kept
+shard does not keep its whole batch alive. A batch of bytes comes back as
+bytes (one copy: distributed's receive path wants ``bytes``).
+
+The handle (:class:`ShardFile`) travels as a plain dict (msgpack, no
+pickle): turning it back into an object never runs code of ours during
+deserialization, so it cannot raise there.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from distributed.protocol import pickle
+
+MAGIC = b"DSHMP2P\x01"
+#: magic, nonce, kind, buffer count, pickle length
+_HEADER = struct.Struct("<8s16sB7xQQ")
+_LENGTH = struct.Struct("<Q")
+_ALIGN = 64
+
+KIND_BYTES = 0
+KIND_PICKLE = 1
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class ShardFileError(Exception):
+    """A shard file that cannot be used: the sender then sends its batch as bytes."""
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """What a receiver needs to open a batch file: its path relative to the
+    user directory of the shared root (``<root>/dask-shm-<uid>``), that
+    root's identity token (:mod:`~dask_shm.shared.root_id`), the file's size
+    and the nonce written at its head."""
+
+    relpath: str
+    token: str
+    size: int
+    nonce: str
+
+    def to_msg(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_msg(cls, msg: Any) -> ShardFile:
+        """Raises ShardFileError for a message that is not a handle."""
+        try:
+            handle = cls(
+                relpath=str(msg["relpath"]),
+                token=str(msg["token"]),
+                size=int(msg["size"]),
+                nonce=str(msg["nonce"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ShardFileError(f"not a shard file handle: {e!r}") from e
+        if os.path.isabs(handle.relpath) or ".." in handle.relpath.split("/"):
+            raise ShardFileError(f"shard file path {handle.relpath!r} leaves the root")
+        return handle
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data.nbytes:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def _layout(batch: list | bytes) -> tuple[int, bytes, list[memoryview]]:
+    """The kind, the pickle (or the bytes themselves) and the buffers of a batch."""
+    if isinstance(batch, bytes):
+        return KIND_BYTES, batch, []
+    raw: list[memoryview] = []
+    frames = pickle.dumps(batch, buffer_callback=lambda b: raw.append(b.raw()), protocol=5)
+    return KIND_PICKLE, frames, raw
+
+
+def write(path: str, batch: list | bytes) -> tuple[int, str]:
+    """Write ``batch`` to a new file ``path``; returns (size, nonce). The
+    file is removed if anything fails (OSError from the file system, an
+    exception from pickling or BufferError), which is raised."""
+    kind, body, buffers = _layout(batch)
+    nonce = uuid.uuid4().bytes
+    head = _HEADER.pack(MAGIC, nonce, kind, len(buffers), len(body))
+    lengths = b"".join(_LENGTH.pack(b.nbytes) for b in buffers)
+    fd = os.open(path, _CREATE, 0o600)
+    try:
+        offset = len(head) + len(lengths) + len(body)
+        _write_all(fd, memoryview(head + lengths))
+        _write_all(fd, memoryview(body))
+        for buf in buffers:
+            pad = _aligned(offset) - offset
+            if pad:
+                _write_all(fd, memoryview(bytes(pad)))
+            _write_all(fd, buf)
+            offset += pad + buf.nbytes
+        os.close(fd)
+        fd = -1
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        _unlink(path)
+        raise
+    return offset, nonce.hex()
+
+
+def read(path: str, size: int, nonce: str, *, copy: bool = False) -> list | bytes:
+    """The batch in file ``path``, which must be ``size`` bytes and carry
+    ``nonce``; the file is unlinked once opened (its pages live on while the
+    batch's arrays view them; with ``copy`` each buffer is copied out, into
+    memory of its own). Raises ShardFileError for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ShardFileError(f"cannot open shard file {path}: {e}") from e
+    try:
+        if os.fstat(fd).st_size != size or size < _HEADER.size:
+            raise ShardFileError(f"shard file {path} is not {size} bytes")
+        _unlink(path)
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise ShardFileError(f"cannot map shard file {path}: {e}") from e
+    finally:
+        os.close(fd)
+    return _parse(mapping, nonce, path, copy)
+
+
+def _parse(mapping: mmap.mmap, nonce: str, path: str, copy: bool) -> list | bytes:
+    view = memoryview(mapping)
+    magic, found, kind, count, body_len = _HEADER.unpack_from(view, 0)
+    if magic != MAGIC or found.hex() != nonce:
+        raise ShardFileError(f"{path} is not the shard file announced")
+    offset = _HEADER.size + count * _LENGTH.size
+    lengths = [_LENGTH.unpack_from(view, _HEADER.size + i * _LENGTH.size)[0] for i in range(count)]
+    body = view[offset : offset + body_len]
+    if kind == KIND_BYTES:
+        return bytes(body)
+    offset += body_len
+    buffers = []
+    for length in lengths:
+        offset = _aligned(offset)
+        buffer = view[offset : offset + length]
+        buffers.append(bytearray(buffer) if copy else buffer)
+        offset += length
+    if kind != KIND_PICKLE or offset > len(mapping):
+        raise ShardFileError(f"shard file {path} is truncated or of an unknown kind")
+    try:
+        return pickle.loads(body, buffers=buffers)  # type: ignore[no-any-return]
+    except Exception as e:
+        raise ShardFileError(f"cannot unpickle shard file {path}: {e!r}") from e
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

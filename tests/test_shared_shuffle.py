@@ -1,0 +1,300 @@
+"""P2P shuffles and rechunks in shared-memory mode: same-host batches go by
+file on the shared root, results equal stock, and no file outlives a run
+(finished, failed, cancelled or restarted after a worker died)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import dask
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from clusters import NO_AMM, worker_addresses
+from distributed import Client, LocalCluster, futures_of, wait
+from hosts import two_hosts
+from p2p_workload import (
+    ARRAY_SIDE,
+    PARTITIONS,
+    part,
+    rechunked_checksum,
+    shared_config,
+    shuffled_checksum,
+)
+from tmpfs import small_tmpfs
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _own_network_unavailable() -> str | None:
+    probe = subprocess.run(
+        ["unshare", "--net", "true"], capture_output=True, text=True, check=False
+    )
+    return None if probe.returncode == 0 else f"unshare --net failed: {probe.stderr.strip()}"
+
+
+def run_workload(mode: str, root: str) -> dict[str, dict]:
+    """p2p_workload.py in a network namespace of its own: its ``lo`` counts
+    only this cluster's traffic."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--net",
+            "sh",
+            "-c",
+            f'ip link set lo up && exec "$0" p2p_workload.py {mode} {root}',
+            sys.executable,
+        ],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["workload"]: r for r in results}
+
+
+def test_shuffle_and_rechunk_go_by_file_with_stock_results():
+    reason = _own_network_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with small_tmpfs("1g") as root:
+        stock = run_workload("stock", root)
+        ours = run_workload("shared", root)
+        assert leftovers(root) == []
+    for name in ("shuffle", "rechunk"):
+        assert ours[name]["checksum"] == stock[name]["checksum"], name
+        counters = ours[name]["counters"]
+        # every batch went by file (the two workers share the root)
+        assert counters["p2p_file_batches"] > 0, (name, counters)
+        assert counters["p2p_file_bytes"] >= 32 * 2**20, (name, counters)
+        assert counters.get("p2p_tcp_bytes", 0) == 0, (name, counters)
+        assert ours[name]["files_left"] == []
+        # stock moves every batch over loopback; we move handles
+        assert ours[name]["loopback"] < 0.3 * stock[name]["loopback"], (
+            name,
+            ours[name]["loopback"],
+            stock[name]["loopback"],
+        )
+
+
+def leftovers(root: str) -> list[str]:
+    """Batch files, and run directories of live workers, under ``root``."""
+    user = os.path.join(root, f"dask-shm-{os.geteuid()}")
+    return sorted(
+        glob.glob(os.path.join(user, "**", "*.p2p"), recursive=True)
+        + glob.glob(os.path.join(user, "*", "p2p", "*", "*"))
+    )
+
+
+def wait_for_no_leftovers(root: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while left := leftovers(root):
+        assert time.monotonic() < deadline, left
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def shm_root():
+    with small_tmpfs("1g") as root:
+        yield root
+
+
+@pytest.fixture
+def shared_client(shm_root):
+    with (
+        dask.config.set({**NO_AMM, **shared_config(shm_root)}),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit="2GiB",
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
+    assert leftovers(shm_root) == []
+
+
+def file_batches(client: Client) -> int:
+    figures = client.run(lambda dask_worker: dask_worker.data.shm_counters["p2p_file_batches"])
+    return sum(figures.values())
+
+
+def expected_checksum() -> float:
+    total = pd.concat([part(i) for i in range(PARTITIONS)], ignore_index=True)
+    return round(float((total["v"] * total["k"]).sum()), 3)
+
+
+def bad_part(i: int) -> pd.DataFrame:
+    """Partition 7's key column is text: the shuffle fails on it."""
+    df = part(i)
+    if i == 7:
+        time.sleep(1)  # after the other transfers sent batches
+        df["k"] = df["k"].astype(str) + "x"
+    return df
+
+
+def test_no_file_left_after_a_failed_shuffle(shared_client, shm_root):
+    client = shared_client
+    out = dd.from_map(bad_part, range(PARTITIONS)).shuffle("k", shuffle_method="p2p")
+    with pytest.raises(Exception):  # noqa: B017 - whatever error distributed reports
+        out.compute()
+    wait_for_no_leftovers(shm_root)
+    # the cluster shuffles again, by file
+    before = file_batches(client)
+    assert shuffled_checksum(client) == pytest.approx(expected_checksum(), rel=1e-12)
+    assert file_batches(client) > before
+    wait_for_no_leftovers(shm_root)
+
+
+def slow_part(i: int) -> pd.DataFrame:
+    time.sleep(0.5)
+    return part(i)
+
+
+def test_no_file_left_after_a_cancelled_shuffle(shared_client, shm_root):
+    client = shared_client
+    out = dd.from_map(slow_part, range(PARTITIONS)).shuffle("k", shuffle_method="p2p")
+    futures = futures_of(out.persist())
+    deadline = time.monotonic() + 60
+    while file_batches(client) == 0:
+        assert time.monotonic() < deadline, "no batch went by file"
+        time.sleep(0.05)
+    client.cancel(futures)
+    del futures, out
+    wait_for_no_leftovers(shm_root)
+
+
+def test_a_worker_killed_mid_shuffle_recovers_as_stock(shared_client, shm_root):
+    client = shared_client
+    a, _ = worker_addresses(client)
+    result = client.compute(
+        dd.from_map(slow_part, range(PARTITIONS))
+        .shuffle("k", shuffle_method="p2p")
+        .map_partitions(lambda p: float((p["v"] * p["k"]).sum()), meta=("s", "f8"))
+        .sum()
+    )
+    deadline = time.monotonic() + 60
+    while file_batches(client) == 0:
+        assert time.monotonic() < deadline, "no batch went by file"
+        time.sleep(0.05)
+    pid = client.run(os.getpid, workers=[a])[a]
+    os.kill(pid, signal.SIGKILL)
+    # distributed restarts the shuffle on the surviving and restarted workers
+    assert result.result(timeout=240) == pytest.approx(expected_checksum(), rel=1e-12)
+    wait(result)
+    del result
+    wait_for_no_leftovers(shm_root)
+
+
+def test_batches_that_do_not_fit_the_root_go_by_tcp():
+    # 64 MiB rechunk batches on a 24 MiB root: writing them fails (ENOSPC),
+    # and the same batches are sent the stock way.
+    with (
+        small_tmpfs("24m") as root,
+        dask.config.set({**NO_AMM, **shared_config(root)}),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit="2GiB",
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        got = rechunked_checksum(client)
+        x = da.random.default_rng(0).random((ARRAY_SIDE, ARRAY_SIDE), chunks=(ARRAY_SIDE, 256))
+        weights = np.arange(ARRAY_SIDE, dtype=float)
+        assert got == pytest.approx(float((x * weights).sum().compute(scheduler="sync")), rel=1e-12)
+        counters = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
+        assert sum(c["p2p_file_fallbacks"] for c in counters.values()) >= 1, counters
+        assert sum(c["p2p_tcp_bytes"] for c in counters.values()) >= 64 * 2**20, counters
+        assert leftovers(root) == []
+
+
+def test_cross_host_batches_go_by_tcp_same_host_ones_by_file():
+    # Two workers on host A share its tmpfs; host B's worker sees its own
+    # tmpfs under the same path (a separate machine): A<->A by file, A<->B by TCP.
+    tag = uuid.uuid4().hex[:8]
+    shm = tempfile.mkdtemp(prefix=f"dask-shm-p2p-{tag}-", dir="/dev/shm")
+    b_shm = tempfile.mkdtemp(prefix=f"dask-shm-p2p-{tag}-bshm-")
+    mounted = False
+    try:
+        with two_hosts() as hosts:
+            proc = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=512m,mode=1777", "tmpfs", b_shm],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+            mounted = True
+            hosts.binds_b.append((b_shm, shm))
+            env = {
+                "DASK_SHM__SHARED_MEMORY__ENABLED": "True",
+                "DASK_SHM__SHARED_MEMORY__ROOT": shm,
+                "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
+                # the workers unpickle p2p_workload's functions
+                "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+            }
+            with (
+                LocalCluster(
+                    n_workers=0,
+                    host=hosts.ip_a,
+                    scheduler_port=0,
+                    dashboard_address=":0",
+                    processes=True,
+                ) as cluster,
+                Client(cluster) as client,
+            ):
+                for host, name in (("a", "a1"), ("a", "a2"), ("b", "b1")):
+                    hosts.start_worker(host, cluster.scheduler_address, env, name)
+                client.wait_for_workers(3, timeout=120)
+                names = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+                assert shuffled_checksum(client) == pytest.approx(expected_checksum(), rel=1e-12)
+                counters = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
+                on = {name: counters[address] for name, address in names.items()}
+                for name in ("a1", "a2"):
+                    # to the other host-A worker (and itself) by file, to b1 by TCP
+                    assert on[name]["p2p_file_batches"] > 0, on
+                    assert on[name]["p2p_tcp_batches"] > 0, on
+                    assert on[name]["p2p_file_fallbacks"] == 0, on
+                # b1 shares a root with no one but itself
+                assert on["b1"]["p2p_tcp_batches"] > 0, on
+                hosts.stop_workers()
+        assert leftovers(shm) == [] and leftovers(b_shm) == []
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", b_shm], check=False)
+        for d in (shm, b_shm):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_rechunk_with_shards_kept_in_memory(shared_client, shm_root):
+    client = shared_client
+    before = file_batches(client)
+    with dask.config.set({"distributed.p2p.storage.disk": False}):
+        got = rechunked_checksum(client)
+    x = da.random.default_rng(0).random((ARRAY_SIDE, ARRAY_SIDE), chunks=(ARRAY_SIDE, 256))
+    weights = np.arange(ARRAY_SIDE, dtype=float)
+    assert got == pytest.approx(float((x * weights).sum().compute(scheduler="sync")), rel=1e-12)
+    assert file_batches(client) > before
+    wait_for_no_leftovers(shm_root)
