@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from browser import chromium_path, open_page
+from clusters import process_cluster, worker_addresses
 from dask.sizeof import sizeof
 from distributed import Client, Scheduler
 
 from dask_shm.dashboard import PAGE
 from dask_shm.preload import preloaded_plugins
-from tests.browser import chromium_path, open_page
-from tests.clusters import process_cluster, worker_addresses
 
 MiB = 2**20
 
