@@ -22,7 +22,8 @@ import dask.array as da
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
-from distributed import Client, LocalCluster
+from clusters import process_cluster
+from distributed import Client
 
 ROWS = 2_000_000
 ARRAY_SIDE = 4096
@@ -108,18 +109,7 @@ def _summed(per_worker: dict) -> dict:
 @contextmanager
 def cluster(mode: str, root: str) -> Iterator[Client]:
     config = shared_config(root) if mode == "shared" else {}
-    with (
-        dask.config.set(config),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit="2GiB",
-            dashboard_address=":0",
-            host="127.0.0.1",
-        ) as lc,
-        Client(lc) as client,
-    ):
+    with process_cluster(2, "2GiB", config, host="127.0.0.1") as client:
         yield client
 
 

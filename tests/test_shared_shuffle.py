@@ -21,7 +21,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-from clusters import NO_AMM, worker_addresses
+from clusters import process_cluster, worker_addresses
 from distributed import Client, LocalCluster, futures_of, wait
 from hosts import two_hosts
 from p2p_workload import (
@@ -117,17 +117,7 @@ def shm_root():
 
 @pytest.fixture
 def shared_client(shm_root):
-    with (
-        dask.config.set({**NO_AMM, **shared_config(shm_root)}),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit="2GiB",
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(2, "2GiB", shared_config(shm_root)) as client:
         yield client
     assert leftovers(shm_root) == []
 
@@ -207,18 +197,7 @@ def test_a_worker_killed_mid_shuffle_recovers_as_stock(shared_client, shm_root):
 def test_batches_that_do_not_fit_the_root_go_by_tcp():
     # 64 MiB rechunk batches on a 24 MiB root: writing them fails (ENOSPC),
     # and the same batches are sent the stock way.
-    with (
-        small_tmpfs("24m") as root,
-        dask.config.set({**NO_AMM, **shared_config(root)}),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit="2GiB",
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with small_tmpfs("24m") as root, process_cluster(2, "2GiB", shared_config(root)) as client:
         got = rechunked_checksum(client)
         x = da.random.default_rng(0).random((ARRAY_SIDE, ARRAY_SIDE), chunks=(ARRAY_SIDE, 256))
         weights = np.arange(ARRAY_SIDE, dtype=float)
