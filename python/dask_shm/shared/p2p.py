@@ -146,8 +146,7 @@ async def _send_by_file(
 ) -> Any:
     run.raise_if_closed()
     if not files.shares_root_with(address):
-        files.count("tcp", _batch_nbytes(batch))
-        return await original(run, address, batch)
+        return await _send_by_tcp(original, files, run, address, batch)
     try:
         handle = await _write(files, run, batch)
     except Exception as e:  # disk full, a batch that does not pickle: stock may still send it
@@ -180,6 +179,17 @@ async def _resend(
     batch: list | bytes,
 ) -> Any:
     files.buffer.shm_counters["p2p_file_fallbacks"] += 1
+    return await _send_by_tcp(original, files, run, address, batch)
+
+
+async def _send_by_tcp(
+    original: Callable[..., Awaitable[Any]],
+    files: WorkerFiles,
+    run: ShuffleRun,
+    address: str,
+    batch: list | bytes,
+) -> Any:
+    """The stock send, counted as a TCP batch."""
     files.count("tcp", _batch_nbytes(batch))
     return await original(run, address, batch)
 
