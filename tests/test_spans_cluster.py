@@ -313,6 +313,16 @@ async def test_shared_bytes_hook(c: Client, s: Scheduler, a: Worker):
 
 
 @gen_cluster(client=True, scheduler_kwargs=OURS_SCHEDULER, worker_kwargs=OURS_WORKER)
+async def test_scheduler_plugins_are_stocks(c: Client, s: Scheduler, a: Worker, b: Worker):
+    """The extension adds no scheduler plugin: code that lists a scheduler's
+    plugins (distributed's tests among it) sees what stock has."""
+    with span("x"):
+        await c.submit(block, 8000, 1, workers=[a.address])
+    modules = [type(p).__module__ for p in s.plugins.values()]
+    assert [m for m in modules if m.startswith("dask_shm")] == []
+
+
+@gen_cluster(client=True, scheduler_kwargs=OURS_SCHEDULER, worker_kwargs=OURS_WORKER)
 async def test_departed_worker_figures_are_dropped(c: Client, s: Scheduler, a: Worker, b: Worker):
     with span("x"):
         fa = c.submit(block, 8000, 1, workers=[a.address], key="on-a")

@@ -20,7 +20,6 @@ from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
-from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.spans import Span as StockSpan
 from distributed.spans import SpanMetadata
 from distributed.spans import SpansSchedulerExtension as _StockSchedulerExtension
@@ -37,21 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAME = "dask-shm-spans"
-
 _N = len(MEMORY_FIELDS)
-
-
-class _WorkerRemovalPlugin(SchedulerPlugin):
-    """Drops a departed worker's memory figures from the spans."""
-
-    name = PLUGIN_NAME
-
-    def __init__(self, ext: SpansSchedulerExtension):
-        self.ext = ext
-
-    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
-        self.ext.forget_worker(worker)
 
 
 class SpansSchedulerExtension(_StockSchedulerExtension):
@@ -79,7 +64,6 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
         super().__init__(scheduler)
         self.worker_held = {}
         scheduler.handlers[RPC_NAME] = self.span_memory_records
-        scheduler.add_plugin(_WorkerRemovalPlugin(self), name=PLUGIN_NAME)
         register_scheduler_extension(self)
 
     # --- span tree ---------------------------------------------------------------
@@ -163,6 +147,7 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
             parent=parent,
             total_nthreads_history=self.scheduler.total_nthreads_history,
         )
+        span._settle = self.forget_departed_workers
         self._register(span)
         return span
 
@@ -214,6 +199,7 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
             span._cumulative_worker_metrics[(context, *other)] += v
         metrics = ws.metrics or {}
         report = metrics.get(METRIC_NAME)
+        self.forget_departed_workers()
         if report is not None:
             try:
                 self.update_worker_held(ws.address, report)
@@ -250,6 +236,17 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
         old = self.worker_held.get(address, {})
         self._apply_delta(old, new)
         self.worker_held[address] = new
+
+    def forget_departed_workers(self) -> None:
+        """Drop the memory figures of workers that left the scheduler.
+
+        Called before figures are read or updated rather than from a
+        ``remove_worker`` plugin, so that the scheduler's plugin list stays as
+        stock's. Costs one set difference over the reporting workers."""
+        held = self.worker_held
+        if held and not held.keys() <= self.scheduler.workers.keys():
+            for address in held.keys() - self.scheduler.workers.keys():
+                self.forget_worker(address)
 
     def forget_worker(self, address: str) -> None:
         """Remove the memory figures of a worker that left the cluster."""

@@ -3,7 +3,7 @@ per-span memory figures."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
 from distributed.collections import sum_mappings
@@ -76,6 +76,9 @@ class Span(StockSpan):
     _own_held: list[int]
     _tree_held: list[int]
     _annotation_ids: tuple[str, ...]
+    #: Brings the held figures up to date before they are read (the scheduler
+    #: extension drops departed workers' figures there)
+    _settle: Callable[[], None]
 
     __slots__ = (
         "_lineage",
@@ -90,6 +93,7 @@ class Span(StockSpan):
         "_own_held",
         "_tree_held",
         "_annotation_ids",
+        "_settle",
     )
 
     def __init__(
@@ -112,6 +116,7 @@ class Span(StockSpan):
         self._tree_stop = 0.0
         self._own_held = [0] * len(MEMORY_FIELDS)
         self._tree_held = [0] * len(MEMORY_FIELDS)
+        self._settle = _nothing_to_settle
 
     @property
     def _merged(self) -> bool:
@@ -212,6 +217,7 @@ class Span(StockSpan):
     def held(self) -> SpanMemory:
         """Bytes held on the cluster by the keys of this span tree, as of the last
         worker heartbeats."""
+        self._settle()
         if self._merged:
             return SpanMemory(
                 *(sum(v) for v in zip(*(_as_ours(c).held for c in self.children), strict=True))
@@ -224,6 +230,7 @@ class Span(StockSpan):
         Summed over all spans, these equal the cluster-wide totals."""
         if self._merged:
             return SpanMemory()
+        self._settle()
         return SpanMemory(*self._own_held)
 
     def _add_held(self, delta: list[int]) -> None:
@@ -281,3 +288,7 @@ def _as_ours(span: StockSpan) -> Span:
     if not isinstance(span, Span):
         raise TypeError(f"Cannot merge a stock span with dask_shm spans: {span!r}")
     return span
+
+
+def _nothing_to_settle() -> None:
+    pass
