@@ -34,30 +34,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _mount_options(path: str, mounts: str = "/proc/mounts") -> list[str]:
-    """Options of the mount holding ``path`` (empty when unknown)."""
-    found = paths.filesystem_of(path, mounts)
-    if found is None:
-        return []
-    mount_point = found[0]
-    options: list[str] = []
-    try:
-        with open(mounts) as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 4 and paths._unescape_mount(fields[1]) == mount_point:
-                    options = fields[3].split(",")  # the last (top) mount wins
-    except OSError:
-        return []
-    return options
-
-
-def huge_pages(root: str, mounts: str = "/proc/mounts") -> bool:
+def huge_pages(root: str) -> bool:
     """True when files on the tmpfs at ``root`` get transparent huge pages:
     the mount says ``huge=always``, ``huge=within_size`` or ``huge=advise``
     (the arena asks with ``madvise``), or the kernel forces them for every
     tmpfs (``shmem_enabled`` is ``force``)."""
-    for option in _mount_options(root, mounts):
+    mount = paths.mount_of(root)
+    for option in () if mount is None else mount.options:
         if option in ("huge=always", "huge=within_size", "huge=advise"):
             return True
     try:

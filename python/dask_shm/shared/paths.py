@@ -29,7 +29,6 @@ import atexit
 import fcntl
 import logging
 import os
-import re
 import shutil
 import stat
 import sys
@@ -39,49 +38,54 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import psutil
 
 from dask_shm._core import is_ram_backed
 
 logger = logging.getLogger(__name__)
 
 
-def _unescape_mount(text: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as \ooo.
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+class Mount(NamedTuple):
+    """A mounted file system, as ``psutil.disk_partitions`` lists it."""
+
+    point: str
+    fstype: str
+    options: tuple[str, ...]
 
 
-def filesystem_of(path: str, mounts: str = "/proc/mounts") -> tuple[str, str] | None:
-    """``(mount point, filesystem type)`` of the mount holding ``path``
-    (resolved with ``os.path.realpath``): the longest mount point in
-    ``mounts`` that is a prefix of it; of equal ones the last (the mount on
-    top). None if ``mounts`` cannot be read or nothing matches."""
+def mount_of(path: str) -> Mount | None:
+    """The mount holding ``path`` (resolved with ``os.path.realpath``): the
+    longest mount point that is a prefix of it; of equal ones the last (the
+    mount on top). None if the mount table cannot be read or nothing matches.
+    The table is ``psutil.disk_partitions(all=True)`` (``/proc/self/mounts``,
+    escapes such as ``\\040`` undone)."""
     target = os.path.realpath(path)
-    best: tuple[str, str] | None = None
     try:
-        with open(mounts, encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.readlines()
+        partitions = psutil.disk_partitions(all=True)
     except OSError:
         return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount_point, fs_type = _unescape_mount(fields[1]), fields[2]
-        inside = (
-            mount_point == "/"
-            or target == mount_point
-            or target.startswith(mount_point.rstrip("/") + "/")
-        )
-        if inside and (best is None or len(mount_point) >= len(best[0])):
-            best = (mount_point, fs_type)
+    best: Mount | None = None
+    for part in partitions:
+        point = part.mountpoint
+        inside = point == "/" or target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best.point)):
+            best = Mount(point, part.fstype, tuple(part.opts.split(",")))
     return best
 
 
+def filesystem_of(path: str) -> tuple[str, str] | None:
+    """``(mount point, filesystem type)`` of :func:`mount_of` ``path``, or None."""
+    mount = mount_of(path)
+    return None if mount is None else (mount.point, mount.fstype)
+
+
 def filesystem_type(path: str) -> str | None:
-    """Type of the file system holding ``path`` (from /proc/mounts), or None
+    """Type of the file system holding ``path`` (from the mount table), or None
     when it cannot be told (no /proc, path missing)."""
-    mount = filesystem_of(path)
-    return None if mount is None else mount[1]
+    mount = mount_of(path)
+    return None if mount is None else mount.fstype
 
 
 class UnusableRoot(Exception):
