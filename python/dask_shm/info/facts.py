@@ -36,7 +36,7 @@ from dask_shm.shared.paths import (
     user_dir_problem,
 )
 from dask_shm.shared.plugin import PLUGIN_NAME
-from dask_shm.shared.store import max_map_count
+from dask_shm.sysctl import max_map_count
 
 
 class OpenFilesLimit(NamedTuple):
