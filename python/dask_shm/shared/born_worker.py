@@ -18,13 +18,13 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_shm import _core
-from dask_shm.config import byte_size, invalid, setting
+from dask_shm.config import setting, setting_bytes, shipped_default
 from dask_shm.shared import born, paths
 from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, own_bytes
 
@@ -62,19 +62,24 @@ class BornSettings:
       at half the root's free space.
     """
 
-    mode: bool | Literal["auto"] = "auto"
+    # Defaults: dask-shm.yaml's.
+    mode: bool | Literal["auto"] = field(
+        default_factory=lambda: cast(Any, shipped_default("shm.shared-memory.born-shared"))
+    )
     threshold: int = DEFAULT_THRESHOLD
-    budget: int | Literal["auto"] = "auto"
+    budget: int | Literal["auto"] = field(
+        default_factory=lambda: cast(Any, shipped_default("shm.shared-memory.born-budget"))
+    )
 
     @classmethod
     def from_config(cls) -> BornSettings:
         """Read the config. Raises ValueError naming the key and the accepted values."""
         mode = cast(bool | Literal["auto"], setting("shm.shared-memory.born-shared"))
-        threshold = _bytes("born-threshold", minimum=1)
+        threshold = setting_bytes("shm.shared-memory.born-threshold", minimum=1)
         budget: int | Literal["auto"] = (
             "auto"
             if setting("shm.shared-memory.born-budget") == "auto"
-            else _bytes("born-budget", minimum=0)
+            else setting_bytes("shm.shared-memory.born-budget")
         )
         return cls(mode, threshold, budget)
 
@@ -87,18 +92,6 @@ class BornSettings:
         st = os.statvfs(root)
         half_free = st.f_bavail * st.f_frsize // 2
         return min(half_free, memory_limit) if memory_limit else half_free
-
-
-def _bytes(name: str, minimum: int) -> int:
-    key = f"shm.shared-memory.{name}"
-    raw = setting(key)
-    try:
-        n = byte_size(raw, key)
-    except (TypeError, ValueError):
-        n = -1
-    if n < minimum:  # a string below the minimum too (the schema checks only numbers)
-        raise invalid(key, raw)
-    return n
 
 
 # -- workers ------------------------------------------------------------------------
