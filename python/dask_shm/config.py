@@ -2,7 +2,8 @@
 
 The defaults are ``dask-shm.yaml``; ``dask-shm-schema.yaml`` describes every
 key (JSON schema, in the style of distributed's ``distributed-schema.yaml``).
-This module is where ``shm.*`` config is read: :func:`setting` checks a key's
+This module is the one place dask's config is read (``shm.*`` and the few
+dask and distributed keys dask-shm follows, at the end): :func:`setting` checks a key's
 value against the schema (``jsonschema``: types, ranges, choices), and the
 typed parsers here (:func:`byte_size`, ...) turn what the schema lets through
 into numbers, refusing what it cannot express (a string that is not a size).
@@ -338,3 +339,83 @@ class SharedMemorySettings:
         if disk_root is None:
             disk_root = default_disk_root(temporary_directory())
         return cls(enabled, root, min_size, min_shared_fraction, max_bytes, disk_root)
+
+
+# -- dask's and distributed's own keys that dask-shm follows ------------------------
+
+
+def configured(key: str, default: object = None) -> object:
+    """The value set for ``key`` as it is, unvalidated (``dask shm info``
+    reports a configuration even where it is invalid), else ``default``."""
+    return dask.config.get(key, default=default)
+
+
+def configured_namespace() -> dict:
+    """``shm`` as set, over the shipped defaults (a config reset after import,
+    as test harnesses do, drops the registered defaults but not their effect)."""
+    return dask.config.merge(DEFAULTS["shm"], dask.config.get("shm", default={}))
+
+
+def prometheus_namespace() -> str:
+    """``distributed.dashboard.prometheus.namespace``, which prefixes every
+    series name (dask's default "dask" where distributed's defaults are absent)."""
+    return str(dask.config.get("distributed.dashboard.prometheus.namespace", default="dask"))
+
+
+def worker_max_spill() -> int | Literal[False]:
+    """``distributed.worker.memory.max-spill``: False or bytes.
+
+    Raises ValueError naming the key and the accepted values.
+    """
+    key = "distributed.worker.memory.max-spill"
+    raw = dask.config.get(key)
+    try:
+        return spill_limit(raw, key)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{key} must be False or a byte size such as '10 GiB'; got {raw!r}") from e
+
+
+def worker_memory_fractions() -> tuple[float | Literal[False], float | Literal[False]]:
+    """``distributed.worker.memory.target`` and ``.spill``: each False or a
+    fraction of the memory limit (a number >= 0).
+
+    Raises ValueError naming the key and the accepted values.
+    """
+    values = []
+    for name in ("target", "spill"):
+        value = dask.config.get(f"distributed.worker.memory.{name}")
+        if value is not False and not (isinstance(value, (int, float)) and 0 <= value):
+            raise ValueError(
+                f"distributed.worker.memory.{name} must be False or a fraction "
+                f"of the memory limit such as 0.6; got {value!r}"
+            )
+        values.append(value)
+    return values[0], values[1]
+
+
+def multiprocessing_defaults() -> dict[str, object]:
+    """What ``dask.multiprocessing.get`` reads from dask's config when not
+    given: ``chunksize`` (1), ``pool``, ``multiprocessing.initializer`` and
+    ``num_workers`` (None where unset)."""
+    return {
+        "chunksize": dask.config.get("chunksize", 1),
+        "pool": dask.config.get("pool", None),
+        "initializer": dask.config.get("multiprocessing.initializer", None),
+        "num_workers": dask.config.get("num_workers", None),
+    }
+
+
+def logging_config() -> dict:
+    """Where distributed looks for its logging config: ``distributed.logging*``
+    first, else the top level of dask's config."""
+    config = dask.config.config
+    keys = {"logging-file-config", "logging"}
+    distributed = config.get("distributed", {})
+    if isinstance(distributed, dict) and keys & distributed.keys():
+        return distributed
+    return config
+
+
+def log_format(default: str) -> str:
+    """``distributed.admin.log-format``, else ``default``."""
+    return str(dask.config.get("distributed.admin.log-format", default=default))

@@ -45,8 +45,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-import dask.config
-
+from dask_shm.config import prometheus_namespace, setting_duration
 from dask_shm.spans.span import MEMORY_FIELDS, Span
 
 
@@ -99,14 +98,11 @@ FOLDED = "finished"
 def retention() -> float:
     """``shm.prometheus.span-retention`` in seconds: how long a finished span
     keeps series of its own. Raises ValueError naming the key."""
-    from dask_shm.config import setting_duration
-
     return setting_duration("shm.prometheus.span-retention")
 
 
 def _name(subsystem: str, name: str) -> str:
-    namespace = dask.config.get("distributed.dashboard.prometheus.namespace", default="dask")
-    return "_".join(p for p in (namespace, subsystem, name) if p)
+    return "_".join(p for p in (prometheus_namespace(), subsystem, name) if p)
 
 
 def _sum_into(total: dict[str, float], figures: dict[str, float]) -> None:
