@@ -17,6 +17,7 @@ from typing import Any
 
 import dask
 import numpy as np
+import psutil
 import pytest
 from clusters import process_cluster, worker_addresses
 from distributed.utils_test import gen_cluster, gen_test
@@ -400,16 +401,19 @@ def test_settings_from_config(shm_dir: str) -> None:
                 born_worker.BornSettings.from_config()
 
 
-def test_huge_pages_read_from_mount_options(tmp_path) -> None:
-    mounts = tmp_path / "mounts"
+def test_huge_pages_read_from_mount_options(tmp_path, monkeypatch) -> None:
+    # psutil reads <PROCFS_PATH>/self/mounts: a mount table of our own
+    (tmp_path / "self").mkdir()
+    mounts = tmp_path / "self" / "mounts"
+    monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path))
     mounts.write_text(
         "tmpfs /dev/shm tmpfs rw,relatime,size=100k 0 0\n"
         f"tmpfs {tmp_path} tmpfs rw,huge=within_size 0 0\n"
     )
-    assert born_worker.huge_pages(str(tmp_path), str(mounts))
+    assert born_worker.huge_pages(str(tmp_path))
     mounts.write_text(f"tmpfs {tmp_path} tmpfs rw,huge=never 0 0\n")
     forced = "[force]" in open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
-    assert born_worker.huge_pages(str(tmp_path), str(mounts)) == forced
+    assert born_worker.huge_pages(str(tmp_path)) == forced
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])

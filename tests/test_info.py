@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 import dask.config
+import psutil
 import pytest
 from distributed import LocalCluster, WorkerPlugin
 
@@ -194,8 +195,11 @@ def test_plugin_name_is_the_shared_memory_plugins():
     assert PLUGIN_NAME == REAL_NAME
 
 
-def test_filesystem_of_takes_the_longest_mount_prefix(tmp_path):
-    mounts = tmp_path / "mounts"
+def test_filesystem_of_takes_the_longest_mount_prefix(tmp_path, monkeypatch):
+    # psutil reads <PROCFS_PATH>/self/mounts: a mount table of our own
+    (tmp_path / "self").mkdir()
+    mounts = tmp_path / "self" / "mounts"
+    monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path))
     mounts.write_text(
         "/dev/vda / ext4 rw 0 0\n"
         "tmpfs /dev/shm tmpfs rw 0 0\n"
@@ -203,11 +207,12 @@ def test_filesystem_of_takes_the_longest_mount_prefix(tmp_path):
         "/dev/vdb /data ext4 rw 0 0\n"
         "tmpfs /dev/shm ramfs rw 0 0\n"  # mounted on top of the first one
     )
-    assert filesystem_of("/dev/shm/x", str(mounts)) == ("/dev/shm", "ramfs")
-    assert filesystem_of("/dev/shmx", str(mounts)) == ("/", "ext4")
-    assert filesystem_of("/data/my disk/a", str(mounts)) == ("/data/my disk", "tmpfs")
-    assert filesystem_of("/data/other", str(mounts)) == ("/data", "ext4")
-    assert filesystem_of("/x", str(tmp_path / "missing")) is None
+    assert filesystem_of("/dev/shm/x") == ("/dev/shm", "ramfs")
+    assert filesystem_of("/dev/shmx") == ("/", "ext4")
+    assert filesystem_of("/data/my disk/a") == ("/data/my disk", "tmpfs")
+    assert filesystem_of("/data/other") == ("/data", "ext4")
+    mounts.unlink()
+    assert filesystem_of("/x") is None
 
 
 @linux_only

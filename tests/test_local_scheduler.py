@@ -463,17 +463,17 @@ def test_bad_arguments_and_config_are_named(shm_base: Path) -> None:
 def test_fallback_when_dev_shm_is_unusable(
     pool: ProcessPoolExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import dask_shm.local.config as local_config
+    import tempfile
 
-    real_mkdtemp = local_config.tempfile.mkdtemp
+    real_mkdtemp = tempfile.mkdtemp
 
     def mkdtemp_without_dev_shm(prefix: str, dir: str) -> str:
         if dir == "/dev/shm":
             raise PermissionError(13, "Permission denied", dir)
         return real_mkdtemp(prefix=prefix, dir=dir)
 
-    monkeypatch.setattr(local_config.tempfile, "mkdtemp", mkdtemp_without_dev_shm)
-    monkeypatch.setattr(local_config.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_without_dev_shm)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     with pytest.warns(RuntimeWarning, match="/dev/shm is not usable"):
         result = get({"x": (big_array, 7), "y": (first_half, "x")}, "y", pool=pool)
     np.testing.assert_array_equal(result, big_array(7)[: BIG // 2])

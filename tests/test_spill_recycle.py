@@ -194,15 +194,16 @@ def test_an_entry_read_through_a_mapping_is_never_recycled(directory):
 
 
 def test_spill_store_recycles_only_when_not_mapped(directory):
-    private = SpillStore(os.path.join(directory, "private"))
-    mapped = SpillStore(os.path.join(directory, "mapped"), mapped=True)
+    budget = spill_recycle_bytes()
+    private = SpillStore(os.path.join(directory, "private"), recycle_bytes=budget)
+    mapped = SpillStore(os.path.join(directory, "mapped"), mapped=True, recycle_bytes=budget)
     for store in (private, mapped):
         for i in range(3):
             store[f"x{i}"] = np.full(MiB, i, dtype="u1")
             assert store[f"x{i}"].sum() == i * MiB
             del store[f"x{i}"]
     assert private.files.pooled[0] == 1
-    assert 0 < private.files.pooled[1] <= spill_recycle_bytes()
+    assert 0 < private.files.pooled[1] <= budget
     assert mapped.files.pooled == (0, 0)
     assert listing(mapped.directory) == ([], [], [])
 
@@ -279,7 +280,7 @@ def test_reads_racing_overwrites_never_see_a_recycled_file(directory):
 
     from dask_shm._core import SpillFileError
 
-    store = SpillStore(directory)
+    store = SpillStore(directory, recycle_bytes=spill_recycle_bytes())
     store["s"] = np.full(MiB, 0, dtype="u8")
     stop = threading.Event()
     torn: list[object] = []
@@ -321,13 +322,23 @@ def test_reads_racing_overwrites_never_see_a_recycled_file(directory):
 
 
 def test_recycling_budget_comes_from_config(directory):
+    """SpillBuffer, the edge direct users build, reads shm.spill-recycle-bytes
+    unless given recycle_bytes; its store takes the value it is given."""
     import dask
 
     with dask.config.set({"shm.spill-recycle-bytes": 0}):
-        store = SpillStore(os.path.join(directory, "off"))
-    store["x"] = np.ones(MiB, dtype="u1")
-    del store["x"]
-    assert store.files.pooled == (0, 0)
+        off = SpillBuffer(os.path.join(directory, "off"), target=0)
+    given = SpillBuffer(os.path.join(directory, "given"), target=0, recycle_bytes=0)
+    for buf in (off, given):
+        buf["x"] = np.ones(MiB, dtype="u1")  # larger than target: straight to a file
+        del buf["x"]
+        assert buf.store.files.pooled == (0, 0)
+    on = SpillBuffer(os.path.join(directory, "on"), target=0)
+    on["x"] = np.ones(MiB, dtype="u1")
+    del on["x"]
+    assert on.store.files.pooled[0] == 1
     with dask.config.set({"shm.spill-recycle-bytes": "lots"}):
         with pytest.raises(ValueError, match="shm.spill-recycle-bytes must be a byte size"):
-            SpillStore(os.path.join(directory, "bad"))
+            SpillBuffer(os.path.join(directory, "bad"), target=0)
+    with pytest.raises(ValueError, match="recycle_bytes"):
+        SpillBuffer(os.path.join(directory, "bad"), target=0, recycle_bytes="lots")

@@ -2,7 +2,8 @@
 
 The defaults are ``dask-shm.yaml``; ``dask-shm-schema.yaml`` describes every
 key (JSON schema, in the style of distributed's ``distributed-schema.yaml``).
-This module is where ``shm.*`` config is read: :func:`setting` checks a key's
+This module is the one place dask's config is read (``shm.*`` and the few
+dask and distributed keys dask-shm follows, at the end): :func:`setting` checks a key's
 value against the schema (``jsonschema``: types, ranges, choices), and the
 typed parsers here (:func:`byte_size`, ...) turn what the schema lets through
 into numbers, refusing what it cannot express (a string that is not a size).
@@ -24,7 +25,7 @@ from typing import Literal, cast
 import dask.config
 import jsonschema
 import yaml
-from dask.utils import parse_bytes
+from dask.utils import parse_bytes, parse_timedelta
 
 _DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "dask-shm.yaml")
 SCHEMA_FILE = os.path.join(os.path.dirname(__file__), "dask-shm-schema.yaml")
@@ -67,6 +68,13 @@ def _default_of(key: str) -> object:
     for part in key.split("."):
         node = node[part]  # type: ignore[index]
     return node
+
+
+def shipped_default(key: str) -> object:
+    """The value ``dask-shm.yaml`` gives ``key`` (e.g.
+    ``"shm.shared-memory.born-threshold"``): the one place defaults live.
+    Raises KeyError for a key it does not have."""
+    return _default_of(key)
 
 
 def setting(key: str) -> object:
@@ -201,16 +209,65 @@ def enabled(switch: str) -> bool:
     return bool(setting(f"shm.{switch}"))
 
 
+def setting_bytes(key: str, minimum: int = 0) -> int:
+    """:func:`setting` ``key`` as a :func:`byte_size` of at least ``minimum``
+    (the schema checks the range of numbers only, this of strings too).
+
+    Raises ValueError naming the key and the accepted values (:func:`invalid`).
+    """
+    raw = setting(key)
+    try:
+        n = byte_size(raw, key)
+    except (TypeError, ValueError):
+        raise invalid(key, raw) from None
+    if n < minimum:
+        raise invalid(key, raw)
+    return n
+
+
+def setting_duration(key: str) -> float:
+    """:func:`setting` ``key`` in seconds >= 0: a number of seconds or a
+    string that ``dask.utils.parse_timedelta`` reads, such as ``"5 minutes"``.
+
+    Raises ValueError naming the key and the accepted values (:func:`invalid`).
+    """
+    raw = setting(key)
+    try:
+        if isinstance(raw, bool):
+            raise TypeError
+        seconds = parse_timedelta(cast("str | float", raw), default="seconds")
+    except (TypeError, ValueError, KeyError):  # KeyError: an unknown time unit
+        raise invalid(key, raw) from None
+    if seconds is None or seconds < 0:  # a string such as "-1 s" (the schema checks numbers)
+        raise invalid(key, raw)
+    return float(seconds)
+
+
+def setting_path(key: str, *, absolute: bool = True) -> str | None:
+    """:func:`setting` ``key``: a non-empty path (``absolute``: an absolute
+    one), or None where the schema allows null.
+
+    Raises ValueError naming the key and the accepted values (:func:`invalid`).
+    """
+    raw = setting(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not raw or (absolute and not os.path.isabs(raw)):
+        raise invalid(key, raw)
+    return raw
+
+
+def temporary_directory() -> str:
+    """dask's ``temporary-directory``, else the system's temporary directory."""
+    return dask.config.get("temporary-directory", default=None) or tempfile.gettempdir()
+
+
 def spill_recycle_bytes() -> int:
     """``shm.spill-recycle-bytes`` in bytes.
 
     Raises ValueError naming the key and the accepted values.
     """
-    raw = setting("shm.spill-recycle-bytes")
-    try:
-        return byte_size(raw, "shm.spill-recycle-bytes")
-    except (TypeError, ValueError):
-        raise invalid("shm.spill-recycle-bytes", raw) from None
+    return setting_bytes("shm.spill-recycle-bytes")
 
 
 def default_disk_root(temporary_directory: str) -> str:
@@ -264,18 +321,11 @@ class SharedMemorySettings:
         def get(name: str) -> object:
             return setting(f"shm.shared-memory.{name}")
 
-        def parsed_bytes(name: str) -> int:
-            raw = get(name)
-            try:
-                return byte_size(raw, f"shm.shared-memory.{name}")
-            except (TypeError, ValueError):
-                raise invalid(f"shm.shared-memory.{name}", raw) from None
-
         enabled = bool(get("enabled"))
-        root = str(get("root"))
-        if not os.path.isabs(root):
+        root = setting_path("shm.shared-memory.root")
+        if root is None:  # the schema allows only strings: never
             raise invalid("shm.shared-memory.root", root)
-        min_size = parsed_bytes("min-size")
+        min_size = setting_bytes("shm.shared-memory.min-size")
         min_shared_fraction = float(cast(float, get("min-shared-fraction")))
         raw_max = get("max-bytes")
         max_bytes: int | float | None
@@ -284,11 +334,88 @@ class SharedMemorySettings:
         elif isinstance(raw_max, float) and 0 < raw_max <= 1:
             max_bytes = raw_max  # the schema lets other numbers through only if whole
         else:
-            max_bytes = parsed_bytes("max-bytes")
-        disk_root = get("disk-root")
+            max_bytes = setting_bytes("shm.shared-memory.max-bytes")
+        disk_root = setting_path("shm.shared-memory.disk-root")
         if disk_root is None:
-            base = dask.config.get("temporary-directory", default=None) or tempfile.gettempdir()
-            disk_root = default_disk_root(base)
-        if not os.path.isabs(str(disk_root)):
-            raise invalid("shm.shared-memory.disk-root", disk_root)
-        return cls(enabled, root, min_size, min_shared_fraction, max_bytes, str(disk_root))
+            disk_root = default_disk_root(temporary_directory())
+        return cls(enabled, root, min_size, min_shared_fraction, max_bytes, disk_root)
+
+
+# -- dask's and distributed's own keys that dask-shm follows ------------------------
+
+
+def configured(key: str, default: object = None) -> object:
+    """The value set for ``key`` as it is, unvalidated (``dask shm info``
+    reports a configuration even where it is invalid), else ``default``."""
+    return dask.config.get(key, default=default)
+
+
+def configured_namespace() -> dict:
+    """``shm`` as set, over the shipped defaults (a config reset after import,
+    as test harnesses do, drops the registered defaults but not their effect)."""
+    return dask.config.merge(DEFAULTS["shm"], dask.config.get("shm", default={}))
+
+
+def prometheus_namespace() -> str:
+    """``distributed.dashboard.prometheus.namespace``, which prefixes every
+    series name (dask's default "dask" where distributed's defaults are absent)."""
+    return str(dask.config.get("distributed.dashboard.prometheus.namespace", default="dask"))
+
+
+def worker_max_spill() -> int | Literal[False]:
+    """``distributed.worker.memory.max-spill``: False or bytes.
+
+    Raises ValueError naming the key and the accepted values.
+    """
+    key = "distributed.worker.memory.max-spill"
+    raw = dask.config.get(key)
+    try:
+        return spill_limit(raw, key)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{key} must be False or a byte size such as '10 GiB'; got {raw!r}") from e
+
+
+def worker_memory_fractions() -> tuple[float | Literal[False], float | Literal[False]]:
+    """``distributed.worker.memory.target`` and ``.spill``: each False or a
+    fraction of the memory limit (a number >= 0).
+
+    Raises ValueError naming the key and the accepted values.
+    """
+    values = []
+    for name in ("target", "spill"):
+        value = dask.config.get(f"distributed.worker.memory.{name}")
+        if value is not False and not (isinstance(value, (int, float)) and 0 <= value):
+            raise ValueError(
+                f"distributed.worker.memory.{name} must be False or a fraction "
+                f"of the memory limit such as 0.6; got {value!r}"
+            )
+        values.append(value)
+    return values[0], values[1]
+
+
+def multiprocessing_defaults() -> dict[str, object]:
+    """What ``dask.multiprocessing.get`` reads from dask's config when not
+    given: ``chunksize`` (1), ``pool``, ``multiprocessing.initializer`` and
+    ``num_workers`` (None where unset)."""
+    return {
+        "chunksize": dask.config.get("chunksize", 1),
+        "pool": dask.config.get("pool", None),
+        "initializer": dask.config.get("multiprocessing.initializer", None),
+        "num_workers": dask.config.get("num_workers", None),
+    }
+
+
+def logging_config() -> dict:
+    """Where distributed looks for its logging config: ``distributed.logging*``
+    first, else the top level of dask's config."""
+    config = dask.config.config
+    keys = {"logging-file-config", "logging"}
+    distributed = config.get("distributed", {})
+    if isinstance(distributed, dict) and keys & distributed.keys():
+        return distributed
+    return config
+
+
+def log_format(default: str) -> str:
+    """``distributed.admin.log-format``, else ``default``."""
+    return str(dask.config.get("distributed.admin.log-format", default=default))

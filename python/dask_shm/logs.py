@@ -22,23 +22,13 @@ from __future__ import annotations
 import logging
 import sys
 
-import dask.config
+from dask_shm.config import log_format, logging_config
 
 LOGGER_NAME = "dask_shm"
 #: distributed.yaml's ``distributed.admin.log-format``, for a process that has
 #: not imported distributed (whose defaults then are not in dask's config).
 DEFAULT_FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
 _done = False
-
-
-def _logging_config() -> dict:
-    """Where distributed looks: ``distributed.logging*`` first, else top level."""
-    config = dask.config.config
-    keys = {"logging-file-config", "logging"}
-    distributed = config.get("distributed", {})
-    if isinstance(distributed, dict) and keys & distributed.keys():
-        return distributed
-    return config
 
 
 def initialize_logging() -> None:
@@ -49,7 +39,7 @@ def initialize_logging() -> None:
     if _done:
         return
     _done = True
-    base = _logging_config()
+    base = logging_config()
     levels = base.get("logging", {})
     if "logging-file-config" in base or not isinstance(levels, dict) or "version" in levels:
         return
@@ -64,7 +54,6 @@ def initialize_logging() -> None:
     if logging.getLogger().handlers or logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    log_format = dask.config.get("distributed.admin.log-format", default=DEFAULT_FORMAT)
-    handler.setFormatter(logging.Formatter(log_format))
+    handler.setFormatter(logging.Formatter(log_format(DEFAULT_FORMAT)))
     logger.addHandler(handler)
     logger.propagate = False

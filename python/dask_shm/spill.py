@@ -16,7 +16,7 @@ from distributed.sizeof import safe_sizeof
 from distributed.spill import SpilledSize
 
 from dask_shm._core import SpillFileError
-from dask_shm.config import byte_size, spill_limit
+from dask_shm.config import byte_size, spill_limit, spill_recycle_bytes
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, SpillStore
 
 # Stock's logger, messages and rate limits (distributed.spill installs its
@@ -91,6 +91,10 @@ class SpillBuffer(zict.Buffer[Key, object]):
         instead of reading it into a new buffer: numpy, pyarrow and
         non-object pandas data are deserialized without a copy and pages are
         read lazily on first touch. Writes to such values stay private.
+    recycle_bytes:
+        Bytes of removed values' files kept to be overwritten by later spills
+        (an int or a string such as ``"256 MiB"``; 0: none; never with
+        ``memmap``). None (default): ``shm.spill-recycle-bytes``.
     shared:
         Must be False. Shared-memory mode is :class:`dask_shm.shared.SharedSpillBuffer`
         (``SharedSpillBuffer.from_config(target)`` replaces the former
@@ -112,8 +116,14 @@ class SpillBuffer(zict.Buffer[Key, object]):
         *,
         memmap: bool = False,
         shared: bool = False,
+        recycle_bytes: int | str | None = None,
     ):
         target = byte_size(target, "target")
+        recycle = (
+            spill_recycle_bytes()
+            if recycle_bytes is None
+            else byte_size(recycle_bytes, "recycle_bytes")
+        )
         max_spill = spill_limit(max_spill, "max_spill")
         if shared:
             raise TypeError(
@@ -125,7 +135,11 @@ class SpillBuffer(zict.Buffer[Key, object]):
         if spill_directory is None:
             raise ValueError("spill_directory is required")
         slow = SpillStore(
-            spill_directory, max_spill, metrics=self.cumulative_metrics, mapped=memmap
+            spill_directory,
+            max_spill,
+            metrics=self.cumulative_metrics,
+            mapped=memmap,
+            recycle_bytes=recycle,
         )
         # A value still referenced elsewhere since its last unspill is served
         # from the weak-value cache instead of being read (and held) twice.

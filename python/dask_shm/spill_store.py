@@ -29,7 +29,6 @@ from distributed.sizeof import safe_sizeof
 from distributed.spill import PickleError, SpilledSize
 
 from dask_shm._core import FileStore, SpillFileError
-from dask_shm.config import spill_recycle_bytes
 
 #: File names longer than this are shortened and made unique with a hash.
 _MAX_STEM = 200
@@ -145,12 +144,11 @@ class SpillStore(MutableMapping[Key, object]):
         *,
         metrics: defaultdict[tuple[str, str], float] | None = None,
         mapped: bool = False,
+        recycle_bytes: int = 0,
     ):
-        # Recycling overwrites files of removed entries (shm.spill-recycle-bytes
-        # of them at most): only safe when no value is ever a mapping of its file.
-        self.files = FileStore(
-            spill_directory, recycle_bytes=0 if mapped else spill_recycle_bytes()
-        )
+        # Recycling overwrites files of removed entries (recycle_bytes of them
+        # at most): only safe when no value is ever a mapping of its file.
+        self.files = FileStore(spill_directory, recycle_bytes=0 if mapped else recycle_bytes)
         self.max_weight = max_weight
         self.mapped = mapped
         self.filenames = {}

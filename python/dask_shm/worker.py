@@ -17,15 +17,14 @@ import logging
 import os
 import sys
 from collections.abc import Callable, MutableMapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import dask.config
 from dask.system import CPU_COUNT
 from dask.typing import Key
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.worker_memory import parse_memory_limit
 
-from dask_shm.config import spill_limit
+from dask_shm.config import worker_max_spill, worker_memory_fractions
 from dask_shm.spill import SpillBuffer
 
 if TYPE_CHECKING:
@@ -34,29 +33,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _max_spill_from_config() -> int | Literal[False]:
-    max_spill = dask.config.get("distributed.worker.memory.max-spill")
-    try:
-        return spill_limit(max_spill, "distributed.worker.memory.max-spill")
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            "distributed.worker.memory.max-spill must be False or a byte size such as "
-            f"'10 GiB'; got {max_spill!r}"
-        ) from e
-
-
 def target_from_config(memory_limit: int | None) -> int | None:
     """Spill target in bytes for a worker with ``memory_limit`` bytes, following
     ``distributed.worker.memory.target`` / ``.spill`` as WorkerMemoryManager does.
     None means the worker should not spill at all (a plain dict)."""
-    target_fraction = dask.config.get("distributed.worker.memory.target")
-    spill_fraction = dask.config.get("distributed.worker.memory.spill")
-    for name, value in (("target", target_fraction), ("spill", spill_fraction)):
-        if value is not False and not (isinstance(value, (int, float)) and 0 <= value):
-            raise ValueError(
-                f"distributed.worker.memory.{name} must be False or a fraction "
-                f"of the memory limit such as 0.6; got {value!r}"
-            )
+    target_fraction, spill_fraction = worker_memory_fractions()
     if not memory_limit or not (target_fraction or spill_fraction):
         return None
     if target_fraction:
@@ -86,7 +67,7 @@ def spill_buffer_for_worker(
     return SpillBuffer(
         os.path.join(worker_local_directory, "storage"),
         target=target,
-        max_spill=_max_spill_from_config(),
+        max_spill=worker_max_spill(),
     )
 
 

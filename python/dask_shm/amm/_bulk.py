@@ -20,24 +20,35 @@ generator protocol."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import distributed.active_memory_manager as stock
 
+from dask_shm._core import AmmRun, ReplicaTracker
 from dask_shm.amm.policies import ReduceReplicas, RetireWorker, replica_targets
-
-if TYPE_CHECKING:
-    from dask_shm.amm.extension import ActiveMemoryManagerExtension
 
 #: Stock's policy logger: our runners emit its messages for parity.
 policy_logger = stock.logger
 
-Runner = Callable[["ActiveMemoryManagerExtension", Any, bool], None]
+
+class RunningManager(Protocol):
+    """What a runner uses of the manager in the middle of ``run_once``
+    (:class:`~dask_shm.amm.extension.ActiveMemoryManagerExtension` satisfies
+    it); named here so that this module does not import the extension that
+    calls it."""
+
+    scheduler: Any
+    policies: set[Any]
+    pending: dict[Any, tuple[set[Any], set[Any]]]
+    _run: AmmRun
+
+    def _replica_tracker(self) -> ReplicaTracker | None: ...
 
 
-def run_reduce_replicas(
-    manager: ActiveMemoryManagerExtension, policy: Any, last: bool = False
-) -> None:
+Runner = Callable[[RunningManager, Any, bool], None]
+
+
+def run_reduce_replicas(manager: RunningManager, policy: Any, last: bool = False) -> None:
     """Bulk equivalent of ``ReduceReplicas.run`` (KeepReplicas targets honoured).
     ``last``: no policy runs after this one in the current run."""
     targets = replica_targets(manager) or None
@@ -62,9 +73,7 @@ def run_reduce_replicas(
         )
 
 
-def run_retire_worker(
-    manager: ActiveMemoryManagerExtension, policy: Any, last: bool = False
-) -> None:
+def run_retire_worker(manager: RunningManager, policy: Any, last: bool = False) -> None:
     """Bulk equivalent of ``RetireWorker.run``, with its side effects on ``policy``.
     ``last``: no policy runs after this one in the current run."""
     ws = manager.scheduler.workers.get(policy.address)

@@ -44,6 +44,7 @@ from distributed.scheduler import WorkerState
 from distributed.utils import log_errors
 
 from dask_shm._core import AMM_REJECTIONS, AmmRun, ReplicaTracker
+from dask_shm.amm._bulk import bulk_runner
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState
@@ -235,8 +236,6 @@ class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
 
     def _run_policies(self) -> None:
         """Run every registered policy once, in bulk where we know its contract."""
-        from dask_shm.amm._bulk import bulk_runner
-
         policies = list(self.policies)  # a policy may remove itself
         per_task_log = task_logger.isEnabledFor(logging.DEBUG)
         for i, policy in enumerate(policies):

@@ -15,6 +15,7 @@ from dask_shm.info.facts import PLUGIN_NAME, HostInfo
 from dask_shm.shared.limits import SMALL_ROOT_ADVICE, small_root_message
 from dask_shm.shared.paths import NOT_TMPFS_ADVICE, NOT_WRITABLE_ADVICE, READ_ONLY_ADVICE
 from dask_shm.shared.store import mapped_values_bound
+from dask_shm.sysctl import DEFAULT_MAX_MAP_COUNT
 
 #: Below this soft RLIMIT_NOFILE a warning is given.
 MIN_OPEN_FILES = 4096
@@ -22,8 +23,6 @@ MIN_OPEN_FILES = 4096
 #: needs: small for Dask chunks (``array.chunk-size`` is 128 MiB), so the
 #: estimate errs on the side of warning.
 TYPICAL_VALUE_BYTES = 2**20
-#: The kernel's default vm.max_map_count.
-DEFAULT_MAX_MAP_COUNT = 65530
 
 
 class Problem(NamedTuple):

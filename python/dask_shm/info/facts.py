@@ -22,10 +22,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import dask.config
-
 from dask_shm._core import is_ram_backed
-from dask_shm.config import DEFAULTS, SWITCHES, SharedMemorySettings, enabled, unknown_keys
+from dask_shm.config import (
+    DEFAULTS,
+    SWITCHES,
+    SharedMemorySettings,
+    configured,
+    configured_namespace,
+    enabled,
+    unknown_keys,
+)
 from dask_shm.preload import preloaded_plugins
 from dask_shm.shared.limits import summary
 from dask_shm.shared.paths import (
@@ -36,7 +42,7 @@ from dask_shm.shared.paths import (
     user_dir_problem,
 )
 from dask_shm.shared.plugin import PLUGIN_NAME
-from dask_shm.shared.store import max_map_count
+from dask_shm.sysctl import max_map_count
 
 
 class OpenFilesLimit(NamedTuple):
@@ -162,7 +168,7 @@ def configured_root() -> str:
     try:
         return SharedMemorySettings.from_config().root
     except ValueError:
-        raw = dask.config.get("shm.shared-memory.root", default=None)
+        raw = configured("shm.shared-memory.root")
         if isinstance(raw, str) and raw:
             return raw
         return str(DEFAULTS["shm"]["shared-memory"]["root"])
@@ -272,7 +278,7 @@ def dead_files(tier: str, root: str) -> DeadFiles:
 def _worker_report(dask_worker: Any) -> dict[str, Any]:
     """Run on each worker by :func:`ask_workers`."""
     data = dask_worker.data
-    requested = dask.config.get("shm.shared-memory.enabled", default=None)
+    requested = configured("shm.shared-memory.enabled")
     published = dask_worker.metrics.get("shm")
     figures = published(dask_worker) if callable(published) else None
     return {
@@ -368,9 +374,7 @@ def gather_facts(
             user_problem = user_dir_problem(user_dir)
     memory_total, memory_used = _memory()
     settings, config_errors = _config_errors()
-    # Shipped defaults under what is set: a config reset after import (test
-    # harnesses do that) drops the registered defaults but not their effect.
-    config = dask.config.merge(DEFAULTS["shm"], dask.config.get("shm", default={}))
+    config = configured_namespace()
     info = HostInfo(
         platform=platform.system() or "unknown",
         is_linux=is_linux,

@@ -1,4 +1,5 @@
-"""Configuration of the local scheduler: keys, defaults and validation.
+"""Configuration of the local scheduler: its keys, read and validated through
+:mod:`dask_shm.config` (defaults: ``dask-shm.yaml``).
 
 Keys (all under ``shm.local``, settable with ``dask.config.set``):
 
@@ -46,21 +47,21 @@ Keys (all under ``shm.local``, settable with ``dask.config.set``):
 
 from __future__ import annotations
 
-import tempfile
-from typing import Any, cast
+from typing import cast
 
-import dask.config
 import psutil
-from dask.utils import parse_timedelta
 
-from dask_shm.config import byte_size
+from dask_shm.config import (
+    byte_size,
+    invalid,
+    setting,
+    setting_bytes,
+    setting_duration,
+    setting_path,
+    temporary_directory,
+)
 
 PREFIX = "shm.local"
-_DEFAULT_THRESHOLD = 64 * 1024
-
-
-def _get(name: str) -> object:
-    return dask.config.get(f"{PREFIX}.{name}", None)
 
 
 def parse_size(value: object, key: str) -> int:
@@ -112,115 +113,74 @@ def parse_memory_target(value: object, key: str = "memory_target") -> int:
 
 
 def shm_threshold(value: object = None) -> int:
-    """The threshold from the argument, else the config, else 64 KiB."""
+    """The threshold from the argument, else ``shm.local.shm-threshold``."""
     if value is not None:
         return parse_size(value, "shm_threshold")
-    configured = _get("shm-threshold")
-    if configured is None:
-        return _DEFAULT_THRESHOLD
-    return parse_size(configured, f"{PREFIX}.shm-threshold")
-
-
-_DEFAULT_RECYCLE = 256 * 2**20
+    return setting_bytes(f"{PREFIX}.shm-threshold", minimum=1)
 
 
 def recycle_bytes(value: object = None) -> int:
     """Bytes of freed files kept for reuse, from the argument, else
-    ``shm.local.recycle-bytes``, else 256 MiB; 0 turns reuse off.
+    ``shm.local.recycle-bytes``; 0 turns reuse off.
 
     Raises ValueError naming the key when it is not a byte count >= 0.
     """
-    key = "recycle_bytes" if value is not None else f"{PREFIX}.recycle-bytes"
     if value is None:
-        value = _get("recycle-bytes")
-        if value is None:
-            return _DEFAULT_RECYCLE
+        return setting_bytes(f"{PREFIX}.recycle-bytes")
     if value == 0 or value == "0":
         return 0
-    return parse_size(value, key)
+    return parse_size(value, "recycle_bytes")
 
 
 def memory_target(value: object = None) -> int | None:
     """The cache target from the argument, else the config; None if neither."""
     if value is not None:
         return parse_memory_target(value, "memory_target")
-    configured = _get("memory-target")
+    key = f"{PREFIX}.memory-target"
+    configured = setting(key)
     if configured is None:
         return None
-    return parse_memory_target(configured, f"{PREFIX}.memory-target")
-
-
-def _checked_directory(value: object, key: str) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{key} must be a directory path (a non-empty string); got {value!r}")
-    return value
+    try:
+        return parse_memory_target(configured, key)
+    except ValueError:
+        raise invalid(key, configured) from None
 
 
 def spill_directory() -> str:
-    """Parent directory for spilling caches."""
-    configured = _checked_directory(_get("spill-directory"), f"{PREFIX}.spill-directory")
-    return configured or dask.config.get("temporary-directory", None) or tempfile.gettempdir()
+    """Parent directory for spilling caches: ``shm.local.spill-directory``,
+    else dask's ``temporary-directory``, else the system's."""
+    return setting_path(f"{PREFIX}.spill-directory", absolute=False) or temporary_directory()
 
 
 def shm_directory_base() -> str | None:
     """``shm.local.shm-directory``, validated; None if unset."""
-    return _checked_directory(_get("shm-directory"), f"{PREFIX}.shm-directory")
+    return setting_path(f"{PREFIX}.shm-directory", absolute=False)
 
 
 def warm_pool() -> bool:
-    """``shm.local.warm-pool`` (default True).
+    """``shm.local.warm-pool``.
 
     Raises ValueError naming the key when it is not a boolean.
     """
-    value = _get("warm-pool")
-    if value is None:
-        return True
-    if not isinstance(value, bool):
-        raise ValueError(f"{PREFIX}.warm-pool must be true or false; got {value!r}")
-    return value
-
-
-_DEFAULT_QUEUED = 1
+    return bool(setting(f"{PREFIX}.warm-pool"))
 
 
 def queued_tasks(value: object = None) -> int:
     """Tasks queued per pool process beyond the running one, from the argument,
-    else ``shm.local.queued-tasks``, else 1.
+    else ``shm.local.queued-tasks``.
 
     Raises ValueError naming the key when it is not an int >= 0.
     """
-    key = "queued_tasks" if value is not None else f"{PREFIX}.queued-tasks"
     if value is None:
-        value = _get("queued-tasks")
-        if value is None:
-            return _DEFAULT_QUEUED
+        return cast(int, setting(f"{PREFIX}.queued-tasks"))
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
+        raise ValueError(f"queued_tasks must be an integer >= 0; got {value!r}")
     return value
 
 
-_DEFAULT_IDLE_FILE_TIMEOUT = 5.0
-
-
 def idle_file_timeout() -> float:
-    """``shm.local.idle-file-timeout`` in seconds (default 5; 0: off).
+    """``shm.local.idle-file-timeout`` in seconds (0: off).
 
     Raises ValueError naming the key when it is not a duration >= 0.
     """
-    key = f"{PREFIX}.idle-file-timeout"
-    value = _get("idle-file-timeout")
-    if value is None:
-        return _DEFAULT_IDLE_FILE_TIMEOUT
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        seconds = parse_timedelta(cast(Any, value), default="seconds")
-    except (TypeError, ValueError, KeyError):
-        seconds = -1
-    if seconds is None or seconds < 0:
-        raise ValueError(
-            f"{key} must be a duration such as '5 s' or a number of seconds >= 0; got {value!r}"
-        )
-    return float(seconds)
+    return setting_duration(f"{PREFIX}.idle-file-timeout")

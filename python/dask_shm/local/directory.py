@@ -12,7 +12,6 @@ directory removes it. The lock works across PID namespaces sharing the mount.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import stat
@@ -20,6 +19,7 @@ import tempfile
 import warnings
 from types import TracebackType
 
+from dask_shm import liveness
 from dask_shm.local import config
 
 PREFIX = "dask-shm-local-"
@@ -28,16 +28,7 @@ LOCK = ".lock"
 
 def _try_lock(path: str) -> int | None:
     """An fd holding the flock of ``path/.lock``; None if it is held or missing."""
-    try:
-        fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    return liveness.lock_if_dead(os.path.join(path, LOCK), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
 
 
 def remove_stale(base: str) -> list[str]:
@@ -102,10 +93,9 @@ class ShmDirectory:
         try:
             # Locked before it appears under its name: remove_stale in another
             # process can never take the lock of a live computation.
-            tmp = os.path.join(path, LOCK + ".new")
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            os.rename(tmp, os.path.join(path, LOCK))
+            fd = liveness.publish_locked(
+                os.path.join(path, LOCK + ".new"), os.path.join(path, LOCK), directory=False
+            )
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise

@@ -9,9 +9,8 @@ from concurrent.futures import CancelledError, Executor, Future
 from contextlib import ExitStack
 from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
-from dask import config as dask_config
 from dask.local import MultiprocessingPoolExecutor, get_async
 from dask.multiprocessing import _process_get_id, pack_exception, reraise
 from dask.optimization import cull, fuse
@@ -19,6 +18,7 @@ from dask.system import CPU_COUNT
 from dask.typing import Key
 from dask.utils import ensure_dict
 
+from dask_shm.config import multiprocessing_defaults
 from dask_shm.local import config
 from dask_shm.local.directory import ShmDirectory
 from dask_shm.local.pool import Lease, private_pool, warm_pool
@@ -199,10 +199,11 @@ def get(
     queued = config.queued_tasks(queued_tasks)
     idle_file_timeout = config.idle_file_timeout()
     target = config.memory_target(memory_target) if cache is None else None
-    chunksize = chunksize or dask_config.get("chunksize", 1)
-    pool = pool or dask_config.get("pool", None)
-    initializer = initializer or dask_config.get("multiprocessing.initializer", None)
-    num_workers = num_workers or dask_config.get("num_workers", None) or CPU_COUNT
+    defaults = multiprocessing_defaults()
+    chunksize = chunksize or cast(int, defaults["chunksize"])
+    pool = pool or cast(Any, defaults["pool"])
+    initializer = initializer or cast(Any, defaults["initializer"])
+    num_workers = num_workers or cast("int | None", defaults["num_workers"]) or CPU_COUNT
 
     if hasattr(dsk, "__dask_graph__"):
         dsk = dsk.__dask_graph__()

@@ -41,9 +41,14 @@ from typing import Any
 import msgpack
 
 from dask_shm import _core
+from dask_shm.config import byte_size, shipped_default
+from dask_shm.sysctl import max_map_count
 
-#: Smallest allocation served from a file unless configured otherwise.
-DEFAULT_THRESHOLD = 1 << 20
+#: Smallest allocation served from a file unless configured otherwise
+#: (``shm.shared-memory.born-threshold`` in dask-shm.yaml).
+DEFAULT_THRESHOLD = byte_size(
+    shipped_default("shm.shared-memory.born-threshold"), "shm.shared-memory.born-threshold"
+)
 #: Largest default free cache (see :func:`default_cache`).
 DEFAULT_CACHE_MAX = 256 << 20
 # rust/core/format.rs: magic, u32 frame count, u64 per frame length; frames of
@@ -56,11 +61,7 @@ _PAD_KEY = "born-padding"
 def default_max_blocks() -> int:
     """A quarter of ``vm.max_map_count`` (each block is one mapping; the rest
     is left to the store's mappings and everything else in the process)."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read()) // 4
-    except (OSError, ValueError):
-        return 65530 // 4
+    return max_map_count() // 4
 
 
 # -- the arena -------------------------------------------------------------------

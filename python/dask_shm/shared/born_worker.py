@@ -18,13 +18,13 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_shm import _core
-from dask_shm.config import byte_size, invalid, setting
+from dask_shm.config import setting, setting_bytes, shipped_default
 from dask_shm.shared import born, paths
 from dask_shm.shared.born import DEFAULT_THRESHOLD, allocating, own_bytes
 
@@ -34,30 +34,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _mount_options(path: str, mounts: str = "/proc/mounts") -> list[str]:
-    """Options of the mount holding ``path`` (empty when unknown)."""
-    found = paths.filesystem_of(path, mounts)
-    if found is None:
-        return []
-    mount_point = found[0]
-    options: list[str] = []
-    try:
-        with open(mounts) as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 4 and paths._unescape_mount(fields[1]) == mount_point:
-                    options = fields[3].split(",")  # the last (top) mount wins
-    except OSError:
-        return []
-    return options
-
-
-def huge_pages(root: str, mounts: str = "/proc/mounts") -> bool:
+def huge_pages(root: str) -> bool:
     """True when files on the tmpfs at ``root`` get transparent huge pages:
     the mount says ``huge=always``, ``huge=within_size`` or ``huge=advise``
     (the arena asks with ``madvise``), or the kernel forces them for every
     tmpfs (``shmem_enabled`` is ``force``)."""
-    for option in _mount_options(root, mounts):
+    mount = paths.mount_of(root)
+    for option in () if mount is None else mount.options:
         if option in ("huge=always", "huge=within_size", "huge=advise"):
             return True
     try:
@@ -79,19 +62,24 @@ class BornSettings:
       at half the root's free space.
     """
 
-    mode: bool | Literal["auto"] = "auto"
+    # Defaults: dask-shm.yaml's.
+    mode: bool | Literal["auto"] = field(
+        default_factory=lambda: cast(Any, shipped_default("shm.shared-memory.born-shared"))
+    )
     threshold: int = DEFAULT_THRESHOLD
-    budget: int | Literal["auto"] = "auto"
+    budget: int | Literal["auto"] = field(
+        default_factory=lambda: cast(Any, shipped_default("shm.shared-memory.born-budget"))
+    )
 
     @classmethod
     def from_config(cls) -> BornSettings:
         """Read the config. Raises ValueError naming the key and the accepted values."""
         mode = cast(bool | Literal["auto"], setting("shm.shared-memory.born-shared"))
-        threshold = _bytes("born-threshold", minimum=1)
+        threshold = setting_bytes("shm.shared-memory.born-threshold", minimum=1)
         budget: int | Literal["auto"] = (
             "auto"
             if setting("shm.shared-memory.born-budget") == "auto"
-            else _bytes("born-budget", minimum=0)
+            else setting_bytes("shm.shared-memory.born-budget")
         )
         return cls(mode, threshold, budget)
 
@@ -104,18 +92,6 @@ class BornSettings:
         st = os.statvfs(root)
         half_free = st.f_bavail * st.f_frsize // 2
         return min(half_free, memory_limit) if memory_limit else half_free
-
-
-def _bytes(name: str, minimum: int) -> int:
-    key = f"shm.shared-memory.{name}"
-    raw = setting(key)
-    try:
-        n = byte_size(raw, key)
-    except (TypeError, ValueError):
-        n = -1
-    if n < minimum:  # a string below the minimum too (the schema checks only numbers)
-        raise invalid(key, raw)
-    return n
 
 
 # -- workers ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-import dask.config
+from dask_shm.config import prometheus_namespace
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -142,8 +142,7 @@ def metric_name(series: Series) -> str:
     """``<namespace>_worker_shm_<name>``, as distributed's collectors build
     names (an empty namespace gives ``worker_shm_<name>``); prometheus_client
     appends the unit and ``_total``."""
-    namespace = dask.config.get("distributed.dashboard.prometheus.namespace", default="dask")
-    return "_".join(p for p in (namespace, "worker", "shm", series.name) if p)
+    return "_".join(p for p in (prometheus_namespace(), "worker", "shm", series.name) if p)
 
 
 class _Collector:

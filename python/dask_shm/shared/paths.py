@@ -29,7 +29,6 @@ import atexit
 import fcntl
 import logging
 import os
-import re
 import shutil
 import stat
 import sys
@@ -39,49 +38,55 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import psutil
+
+from dask_shm import liveness
 from dask_shm._core import is_ram_backed
 
 logger = logging.getLogger(__name__)
 
 
-def _unescape_mount(text: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as \ooo.
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+class Mount(NamedTuple):
+    """A mounted file system, as ``psutil.disk_partitions`` lists it."""
+
+    point: str
+    fstype: str
+    options: tuple[str, ...]
 
 
-def filesystem_of(path: str, mounts: str = "/proc/mounts") -> tuple[str, str] | None:
-    """``(mount point, filesystem type)`` of the mount holding ``path``
-    (resolved with ``os.path.realpath``): the longest mount point in
-    ``mounts`` that is a prefix of it; of equal ones the last (the mount on
-    top). None if ``mounts`` cannot be read or nothing matches."""
+def mount_of(path: str) -> Mount | None:
+    """The mount holding ``path`` (resolved with ``os.path.realpath``): the
+    longest mount point that is a prefix of it; of equal ones the last (the
+    mount on top). None if the mount table cannot be read or nothing matches.
+    The table is ``psutil.disk_partitions(all=True)`` (``/proc/self/mounts``,
+    escapes such as ``\\040`` undone)."""
     target = os.path.realpath(path)
-    best: tuple[str, str] | None = None
     try:
-        with open(mounts, encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.readlines()
+        partitions = psutil.disk_partitions(all=True)
     except OSError:
         return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount_point, fs_type = _unescape_mount(fields[1]), fields[2]
-        inside = (
-            mount_point == "/"
-            or target == mount_point
-            or target.startswith(mount_point.rstrip("/") + "/")
-        )
-        if inside and (best is None or len(mount_point) >= len(best[0])):
-            best = (mount_point, fs_type)
+    best: Mount | None = None
+    for part in partitions:
+        point = part.mountpoint
+        inside = point == "/" or target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best.point)):
+            best = Mount(point, part.fstype, tuple(part.opts.split(",")))
     return best
 
 
+def filesystem_of(path: str) -> tuple[str, str] | None:
+    """``(mount point, filesystem type)`` of :func:`mount_of` ``path``, or None."""
+    mount = mount_of(path)
+    return None if mount is None else (mount.point, mount.fstype)
+
+
 def filesystem_type(path: str) -> str | None:
-    """Type of the file system holding ``path`` (from /proc/mounts), or None
+    """Type of the file system holding ``path`` (from the mount table), or None
     when it cannot be told (no /proc, path missing)."""
-    mount = filesystem_of(path)
-    return None if mount is None else mount[1]
+    mount = mount_of(path)
+    return None if mount is None else mount.fstype
 
 
 class UnusableRoot(Exception):
@@ -260,7 +265,7 @@ def user_root(root: str) -> str:
 #: A directory still being set up (``.new-*``) is left alone this long.
 NEW_DIR_GRACE_SECONDS = 60.0
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
+_DIR_FLAGS = liveness.DIRECTORY_FLAGS
 
 
 @dataclass
@@ -275,30 +280,12 @@ _held: dict[str, _Held] = {}
 _held_lock = threading.RLock()
 
 
-def _lock_is_free(fd: int, shared: bool = False) -> bool:
-    """Try to take the flock on ``fd`` without waiting."""
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
 def _create_locked_dir(base: str) -> _Held:
     """A new process directory in ``base``, locked before anyone can see it
-    under its final name: made under a ``.new-`` name, flocked, renamed."""
+    under its final name (:func:`dask_shm.liveness.publish_locked`)."""
     name = f"{ProcessIdentity.current().dirname}-{uuid.uuid4().hex[:8]}"
-    tmp = os.path.join(base, f".new-{name}")
-    os.mkdir(tmp, 0o700)
-    fd = os.open(tmp, _DIR_FLAGS)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        path = os.path.join(base, name)
-        os.rename(tmp, path)
-    except BaseException:
-        os.close(fd)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    path = os.path.join(base, name)
+    fd = liveness.publish_locked(os.path.join(base, f".new-{name}"), path, directory=True)
     return _Held(path, fd, os.getpid())
 
 
@@ -311,11 +298,7 @@ def _current(base: str) -> _Held | None:
         os.close(held.fd)
         del _held[base]
         return None
-    try:
-        still_ours = os.stat(held.path).st_ino == os.fstat(held.fd).st_ino
-    except OSError:
-        still_ours = False
-    if not still_ours:
+    if not liveness.still_named(held.path, held.fd):
         os.close(held.fd)
         del _held[base]
         return None
@@ -386,16 +369,14 @@ def _lock_of_dead_dir(base: str, name: str) -> int | None:
     (``.new-``, within :data:`NEW_DIR_GRACE_SECONDS`) or vanished. Closing the
     descriptor drops the lock."""
     path = os.path.join(base, name)
-    try:
-        fd = os.open(path, _DIR_FLAGS)
-    except OSError:
+    fd = liveness.lock_if_dead(path)
+    if fd is None:
         return None
     try:
-        if _lock_is_free(fd):
-            st = os.fstat(fd)
-            fresh = name.startswith(".new-") and time.time() - st.st_mtime < NEW_DIR_GRACE_SECONDS
-            if not fresh and os.lstat(path).st_ino == st.st_ino:
-                return fd
+        st = os.fstat(fd)
+        fresh = name.startswith(".new-") and time.time() - st.st_mtime < NEW_DIR_GRACE_SECONDS
+        if not fresh and liveness.still_named(path, fd):
+            return fd
     except OSError:
         pass
     os.close(fd)
@@ -516,8 +497,6 @@ def reclaim(root: str, *, peers: bool = True) -> Reclaim:
     until their last user goes (Unix semantics). Creates nothing. Raises
     :class:`UnusableRoot` if this user's directory under ``root`` is not a
     directory of this user's, OSError if it cannot be read."""
-    from dask_shm.shared.registry import sweep_peers
-
     base = _usable_user_dir_path(root)
     done = _reclaim(base, remove=True)
     if done.directories:
@@ -530,6 +509,42 @@ def reclaim(root: str, *, peers: bool = True) -> Reclaim:
     if peers and os.path.isdir(os.path.join(base, "peers")):
         sweep_peers(root)
     return done
+
+
+# -- the peer registry's directory (its entries: dask_shm.shared.registry) ---
+
+#: A half-written registry entry (``*.tmp``) older than this is removed by sweeps.
+TMP_GRACE_SECONDS = 60.0
+
+#: How registry entries are opened (never following a link, never blocking).
+ENTRY_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def peers_directory(root: str) -> str:
+    """``<root>/dask-shm-<uid>/peers``, created 0700 if needed."""
+    path = os.path.join(user_root(root), "peers")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def sweep_peers(root: str) -> list[str]:
+    """Remove registry entries whose worker is gone (nobody holds their
+    lock), and half-written ones older than :data:`TMP_GRACE_SECONDS`;
+    returns their file names."""
+    directory = peers_directory(root)
+    removed = []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.endswith(".tmp"):
+            try:
+                old = time.time() - os.lstat(path).st_mtime > TMP_GRACE_SECONDS
+            except OSError:
+                continue
+            if not old:
+                continue
+        if not liveness.owner_alive(path, ENTRY_FLAGS, remove_if_dead=True):
+            removed.append(name)
+    return removed
 
 
 def sweep_dead_processes(root: str, *, peers: bool = True) -> list[str]:

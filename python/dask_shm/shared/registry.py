@@ -20,7 +20,6 @@ roots": bytes, never a handle the peer may not resolve.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
@@ -29,7 +28,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from dask_shm import liveness
 from dask_shm.shared import paths
+from dask_shm.shared.paths import ENTRY_FLAGS, peers_directory
 
 #: How long a positive or negative answer is trusted before the file is re-read.
 CACHE_SECONDS = 2.0
@@ -37,20 +38,9 @@ CACHE_SECONDS = 2.0
 #: The sender of :meth:`PeerRegistry.refuse` that stands for every peer.
 ANY = "*"
 
-#: A half-written registration (``*.tmp``) older than this is removed by sweeps.
-TMP_GRACE_SECONDS = 60.0
-
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-
 
 def _serializing_address(address: str) -> bool:
     return not address.startswith("inproc://")
-
-
-def peers_directory(root: str) -> str:
-    path = os.path.join(paths.user_root(root), "peers")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
 
 
 @dataclass(frozen=True)
@@ -80,18 +70,15 @@ def _read_live_entry(path: str, remove_if_dead: bool) -> PeerEntry | None:
     None; a dead entry is unlinked when ``remove_if_dead`` (unless it was
     replaced meanwhile)."""
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = os.open(path, ENTRY_FLAGS)
     except OSError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not liveness.try_lock(fd, shared=True):
             return PeerEntry.parse(os.pread(fd, 1 << 16, 0))
-        if remove_if_dead:
+        if remove_if_dead and liveness.still_named(path, fd):
             try:
-                if os.lstat(path).st_ino == os.fstat(fd).st_ino:
-                    os.unlink(path)
+                os.unlink(path)
             except OSError:
                 pass
         return None
@@ -99,27 +86,8 @@ def _read_live_entry(path: str, remove_if_dead: bool) -> PeerEntry | None:
         os.close(fd)
 
 
-def _entry_is_live(path: str, remove_if_dead: bool) -> bool:
-    return _read_live_entry(path, remove_if_dead) is not None
-
-
-def sweep_peers(root: str) -> list[str]:
-    """Remove registry entries whose worker is gone; returns their file names."""
-    directory = peers_directory(root)
-    removed = []
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if name.endswith(".tmp"):
-            try:
-                old = time.time() - os.lstat(path).st_mtime > TMP_GRACE_SECONDS
-            except OSError:
-                continue
-            if old and not _entry_is_live(path, remove_if_dead=True):
-                removed.append(name)
-            continue
-        if not _entry_is_live(path, remove_if_dead=True):
-            removed.append(name)
-    return removed
+def _write(fd: int, content: bytes) -> None:
+    os.write(fd, content)
 
 
 class PeerRegistry:
@@ -146,21 +114,12 @@ class PeerRegistry:
         me = paths.ProcessIdentity.current()
         doc: dict = {"pid": me.pid, "start": me.start, "roots": sorted(roots), "refused": {}}
         tmp = f"{self._path(address)}.{uuid.uuid4().hex[:8]}.tmp"
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        content = json.dumps(doc).encode()
+        # Locked and written before it is visible under its name: never seen
+        # dead, never seen empty.
+        fd = liveness.publish_locked(
+            tmp, self._path(address), directory=False, before_publish=lambda fd: _write(fd, content)
         )
-        try:
-            # Locked before it is visible under its name: never seen dead.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, json.dumps(doc).encode())
-            os.replace(tmp, self._path(address))
-        except BaseException:
-            os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
         self._held[address] = fd
         self._published[address] = doc
         self._cache.pop(address, None)

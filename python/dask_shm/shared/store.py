@@ -38,15 +38,7 @@ from dask_shm.shared import born, born_store, dirty, integrity
 from dask_shm.shared.payload import read_tracking_mapping, worth_sharing
 from dask_shm.shared.tiers import TieredFiles
 from dask_shm.spill_store import PickleError, SpillStore, file_stem, serialize_unsplit
-
-
-def max_map_count() -> int:
-    """vm.max_map_count, or a conservative default when it cannot be read."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 65530
+from dask_shm.sysctl import max_map_count
 
 
 def map_budget(max_maps: int | None = None) -> int:

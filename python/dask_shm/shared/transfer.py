@@ -33,7 +33,7 @@ import logging
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
@@ -41,13 +41,19 @@ from dask_shm.shared.store import Handle
 
 logger = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from dask_shm.shared.buffer import SharedSpillBuffer
 
-_receiver: contextvars.ContextVar[SharedSpillBuffer | None] = contextvars.ContextVar(
+class Receiver(Protocol):
+    """What takes handles over here: a
+    :class:`~dask_shm.shared.buffer.SharedSpillBuffer` (named by what it does,
+    so that this module, which the buffer's guard uses, does not import it)."""
+
+    def receive(self, handle: Handle) -> object: ...
+
+
+_receiver: contextvars.ContextVar[Receiver | None] = contextvars.ContextVar(
     "dask_shm_receiving_buffer", default=None
 )
-_default: weakref.ref[SharedSpillBuffer] | None = None
+_default: weakref.ref[Receiver] | None = None
 
 
 @dask_serialize.register(Handle)
@@ -111,7 +117,7 @@ def drop_unresolved(data: dict) -> dict:
     return dropped
 
 
-def enable_receiving(buffer: SharedSpillBuffer | None) -> None:
+def enable_receiving(buffer: Receiver | None) -> None:
     """Make ``buffer`` receive the handles deserialized outside any
     :func:`receiving_into` block in this process (None: refuse them)."""
     global _default
@@ -119,7 +125,7 @@ def enable_receiving(buffer: SharedSpillBuffer | None) -> None:
 
 
 @contextmanager
-def receiving_into(buffer: SharedSpillBuffer) -> Iterator[None]:
+def receiving_into(buffer: Receiver) -> Iterator[None]:
     """Handles deserialized in this context go to ``buffer``."""
     token = _receiver.set(buffer)
     try:
@@ -128,7 +134,7 @@ def receiving_into(buffer: SharedSpillBuffer) -> Iterator[None]:
         _receiver.reset(token)
 
 
-def receiver() -> SharedSpillBuffer | None:
+def receiver() -> Receiver | None:
     """The buffer that receives handles here and now, if any."""
     buffer = _receiver.get()
     if buffer is None and _default is not None:

@@ -43,11 +43,9 @@ import sys
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
-import dask.config
-from dask.utils import parse_timedelta
-
+from dask_shm.config import prometheus_namespace, setting_duration
 from dask_shm.spans.span import MEMORY_FIELDS, Span
 
 
@@ -100,21 +98,11 @@ FOLDED = "finished"
 def retention() -> float:
     """``shm.prometheus.span-retention`` in seconds: how long a finished span
     keeps series of its own. Raises ValueError naming the key."""
-    from dask_shm.config import invalid, setting
-
-    raw = setting("shm.prometheus.span-retention")
-    try:
-        value = parse_timedelta(cast("str | float", raw), default="seconds")
-        if value is None or value < 0:  # a string such as "-1 s" (the schema checks numbers)
-            raise ValueError
-    except (TypeError, ValueError, KeyError):  # KeyError: unknown time unit
-        raise invalid("shm.prometheus.span-retention", raw) from None
-    return float(value)
+    return setting_duration("shm.prometheus.span-retention")
 
 
 def _name(subsystem: str, name: str) -> str:
-    namespace = dask.config.get("distributed.dashboard.prometheus.namespace", default="dask")
-    return "_".join(p for p in (namespace, subsystem, name) if p)
+    return "_".join(p for p in (prometheus_namespace(), subsystem, name) if p)
 
 
 def _sum_into(total: dict[str, float], figures: dict[str, float]) -> None:
