@@ -4,7 +4,7 @@ Layers, one concern each (zict style):
 
 - :class:`SharedSpillBuffer` (this module): which values are in memory
   (``fast``, private bytes plus tier-2 bytes against ``target``, see
-  :mod:`~dask_shm.shared.charged_lru`) and which are spilled; files
+  :mod:`~dask_shm.charged_lru`) and which are spilled; files
   received from peers (*arrivals*) and the values they back;
 - :class:`~dask_shm.shared.store.SharedSpillStore`: serialized values in
   files, retained while a mapped value is in memory, exported/adopted by hard link;
@@ -33,7 +33,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import zict
 from dask.typing import Key
@@ -44,10 +44,10 @@ from dask_shm import arrow_pool
 from dask_shm._core import ForgedHandleError, read_peer_file
 from dask_shm.config import byte_size, fraction, spill_limit
 from dask_shm.shared import limits, paths
-from dask_shm.shared.charged_lru import TmpfsChargedLRU
 from dask_shm.shared.guard import ensure_value
 from dask_shm.shared.payload import read_tracking_mapping
 from dask_shm.shared.store import Handle, SharedSpillStore, mapped_values_bound
+from dask_shm.shared.tiers import TieredFiles, open_tiers, tier_specs
 from dask_shm.spill import SpillBuffer, _Handled
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, file_stem, frames_to_object
 
@@ -100,7 +100,7 @@ class SharedSpillBuffer(SpillBuffer):
     shared = True
 
     def __init__(self, store: SharedSpillStore, target: int, *, max_mapped: int | None = None):
-        self._init_state(store.cumulative_metrics)
+        self._shared_store = store
         #: most values held in memory through a mapping of their file
         #: (default: :func:`~dask_shm.shared.store.mapped_values_bound`); may
         #: be changed at any time, it applies from the next insertion or use
@@ -111,17 +111,11 @@ class SharedSpillBuffer(SpillBuffer):
         self.shm_counters: defaultdict[str, int] = defaultdict(int)
         self._arrivals: dict[str, list[_Arrival]] = {}
         self._closed = False
-        # The shared store keeps its own weak cache of private values;
-        # mapped values need none (the kernel shares their pages).
-        zict.Buffer.__init__(self, fast={}, slow=store, n=target, weight=self._weight)
-        # The same LRU zict builds, charged for this worker's tmpfs files.
-        self.fast = TmpfsChargedLRU(
-            target,
-            {},
-            tier2_bytes=store.tiers.tier2_bytes,
-            weight=self._weight,
-            on_evict=[self.fast_to_slow],
-            on_cancel_evict=[self._cancel_evict],
+        # The shared store keeps its own weak cache of private values (mapped
+        # values need none: the kernel shares their pages); the LRU is charged
+        # for this worker's tmpfs files.
+        super().__init__(
+            None, target, store=store, weight=self._weight, charge=store.tiers.ram_bytes
         )
 
     # -- construction ------------------------------------------------------------
@@ -157,15 +151,13 @@ class SharedSpillBuffer(SpillBuffer):
         min_shared_fraction = fraction(min_shared_fraction, "min_shared_fraction")
         max_spill = spill_limit(max_spill, "max_spill")
         paths.check_root(root)
-        name = name or f"buffer-{uuid.uuid4().hex[:12]}"
+        specs = tier_specs(root, disk_root)
+        file_tiers = open_tiers(
+            specs, name or f"buffer-{uuid.uuid4().hex[:12]}", {specs[0].name: budget}
+        )
         store = SharedSpillStore(
-            paths.subdir(root, name),
-            paths.subdir(disk_root, name),
+            TieredFiles(file_tiers),
             max_spill,
-            root=root,
-            disk_root=disk_root,
-            budget=budget,
-            outgoing=(paths.subdir(root, "outgoing"), paths.subdir(disk_root, "outgoing")),
             min_size=min_size,
             min_shared_fraction=min_shared_fraction,
             metrics=defaultdict(float),
@@ -205,14 +197,14 @@ class SharedSpillBuffer(SpillBuffer):
     def store(self) -> SharedSpillStore:
         """The store of this buffer's files (spilled and retained); its
         ``tiers`` tell where each file lives."""
-        return cast(SharedSpillStore, self.slow)
+        return self._shared_store
 
     def tier2_bytes(self) -> int:
         """Bytes of this buffer's tmpfs files that count for this worker (1/k
         of a file with k links), mapped or not: what it adds to the worker's
         memory beyond its private pages. O(1): a counter kept as files come
         and go, with link counts as of the last :meth:`refresh_links`."""
-        return self.store.tiers.tier2_bytes()
+        return self.store.tiers.ram_bytes()
 
     def refresh_links(self) -> int:
         """Correct the link counts behind :meth:`tier2_bytes` that other
@@ -344,21 +336,23 @@ class SharedSpillBuffer(SpillBuffer):
 
     # -- same-host transfers -----------------------------------------------------
 
-    def export(self, key: Key, tiers: Collection[int] = (2, 3)) -> Handle | None:
+    def export(self, key: Key, tiers: Collection[int] | None = None) -> Handle | None:
         """Make sure ``key`` is in a file and return a handle for a peer on
         this host (a fresh hard link the caller deletes once the peer has
         linked it). A value held privately in memory is written out and
         leaves memory (its next use maps the file). Returns None when the
         key is absent, the value is not worth sharing, its file is in a tier
-        not in ``tiers`` (the peer does not share that root; a value in memory
-        is written out only when it can share tier 2), or writing/linking
-        fails (the caller then sends bytes)."""
+        whose number is not in ``tiers`` (default: any linkable tier; the peer
+        does not share that root; a value in memory is written out only when
+        it can share the first tier), or writing/linking fails (the caller
+        then sends bytes)."""
         with self._operation_lock:
             store = self.store
             with self.lock:
                 try:
                     if store.file_of(key) is None:
-                        if key not in self.fast or 2 not in tiers:
+                        first = store.tiers.tiers[0].number
+                        if key not in self.fast or (tiers is not None and first not in tiers):
                             return None
                         store[key] = self.fast.d[key]
                         del self.fast[key]
@@ -434,10 +428,8 @@ class SharedSpillBuffer(SpillBuffer):
         return value
 
     def _copy_in(self, handle: Handle, e: OSError) -> object:
-        root = next(
-            (r for r in self.store.tiers.roots if handle.path.startswith(r.rstrip("/") + "/")),
-            self.store.root,
-        )
+        files = self.store.tiers
+        root = files.tiers[files.index_named(handle.path)].root
         self._count_fallback(handle, e)
         return frames_to_object(read_peer_file(root, handle.path, handle.size))
 
