@@ -68,6 +68,41 @@ def test_spills_beyond_the_budget_go_to_disk_and_read_back(shm_dir, disk_root):
     buf.close()
 
 
+def test_a_third_file_tier_is_one_more_entry(shm_dir, disk_root, tmp_path):
+    """Three file tiers (tmpfs, a budgeted middle directory, the disk):
+    writes go to the first tier with room, over-budget files move down one
+    tier at a time, and every file reads back wherever it is."""
+    from dask_shm.shared.store import SharedSpillStore
+    from dask_shm.shared.tiers import TieredFiles, TierSpec, open_tiers
+
+    middle = tmp_path / "middle"
+    middle.mkdir()
+    specs = [
+        TierSpec("shared", shm_dir, ram=True, registry=True),
+        TierSpec("middle", str(middle), ram=False),
+        TierSpec("disk", disk_root, ram=False),
+    ]
+    files = TieredFiles(open_tiers(specs, "three", {"shared": 20 * MiB, "middle": 20 * MiB}))
+    store = SharedSpillStore(files, min_size=64 * 1024, min_shared_fraction=0.5)
+    buf = SharedSpillBuffer(store, 0)
+    values = {f"k{i}": np.full(MiB, i, dtype="f8") for i in range(6)}  # 8 MiB each
+    for k, v in values.items():
+        buf[k] = v
+    where = sorted(files.tier_of(store.file_of(k)) for k in values)
+    assert where == [2, 2, 3, 3, 4, 4], where
+    assert [len(t.store) for t in files.tiers] == [2, 2, 2]
+    files.tier("shared").budget.limit = 0  # the first tier empties into the middle one
+    files.enforce()
+    assert sorted(files.tier_of(store.file_of(k)) for k in values) == [3, 3, 4, 4, 4, 4]
+    assert files.moved_in == {"shared": 0, "middle": 2, "disk": 2}
+    for k, v in values.items():
+        np.testing.assert_array_equal(buf[k], v)
+    for k in values:
+        del buf[k]
+    assert len(files) == 0 and files.total() == (0, 0)
+    buf.close()
+
+
 def test_mapped_values_stay_put_and_move_once_released(shm_dir, disk_root):
     buf = make_buffer(shm_dir, disk_root, budget=20 * MiB, target=64 * MiB)
     tiers = buf.store.tiers
