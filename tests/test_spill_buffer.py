@@ -250,3 +250,12 @@ def test_parts_passed_in_build_the_buffer(tmp_path):
 
     with pytest.raises(ValueError, match="belong to the given store"):
         SpillBuffer(str(tmp_path / "both"), 1000, store=SpillStore(str(tmp_path / "s")))
+
+
+def test_spill_directory_may_be_a_path_as_in_stock(tmp_path):
+    """distributed's own tests pass a pathlib.Path."""
+    buf = SpillBuffer(tmp_path / "spill", target=100)
+    buf["a"] = "a" * 200  # larger than target: straight to disk
+    assert set(buf.disk) == {"a"} and os.listdir(tmp_path / "spill")
+    assert buf["a"] == "a" * 200
+    buf.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping, MutableMapping
@@ -107,7 +108,7 @@ class SpillBuffer(zict.Buffer[Key, object]):
 
     def __init__(
         self,
-        spill_directory: str | None,
+        spill_directory: str | os.PathLike[str] | None,
         target: int | str,
         max_spill: int | str | Literal[False] = False,
         *,

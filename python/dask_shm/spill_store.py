@@ -10,6 +10,7 @@ turns into its public error contract.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, MutableMapping
@@ -166,18 +167,18 @@ class SpillStore(MutableMapping[Key, object]):
 
     def __init__(
         self,
-        files: str | SpillFiles,
+        files: str | os.PathLike[str] | SpillFiles,
         max_weight: int | Literal[False] = False,
         *,
         metrics: defaultdict[tuple[str, str], float] | None = None,
         mapped: bool = False,
     ):
-        """Values go to ``files``: a spill directory (a
+        """Values go to ``files``: a spill directory (str or path-like; a
         :class:`~dask_shm._core.FileStore` is opened there) or any
         :class:`SpillFiles`; at most ``max_weight`` bytes on disk; ``mapped``:
         unspill through a private mapping. Raises OSError if a directory
         cannot be made."""
-        if isinstance(files, str):
+        if isinstance(files, (str, os.PathLike)):
             # Recycling overwrites files of removed entries (shm.spill-recycle-bytes
             # of them at most): only safe when no value is ever a mapping of its file.
             files = FileStore(files, recycle_bytes=0 if mapped else spill_recycle_bytes())

@@ -37,7 +37,7 @@ from dask_shm.shared.paths import (
 )
 from dask_shm.shared.plugin import PLUGIN_NAME
 from dask_shm.shared.store import max_map_count
-from dask_shm.shared.tiers import FIRST_FILE_TIER, tier_specs
+from dask_shm.shared.tiers import FIRST_FILE_TIER, tiers_of
 
 
 class OpenFilesLimit(NamedTuple):
@@ -408,7 +408,7 @@ def gather_facts(
             info.limits = None
     if hasattr(os, "geteuid"):
         # Without a valid config only the root given (or the default) is known.
-        specs = tier_specs(root, settings.disk_root) if settings is not None else None
+        specs = tiers_of(settings, root) if settings is not None else None
         roots = [s.root for s in specs] if specs is not None else [root]
         info.dead_files = [
             dead_files(f"tier {number}", where)

@@ -31,7 +31,7 @@ import logging
 import uuid
 import weakref
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,7 +47,7 @@ from dask_shm.shared import limits, paths
 from dask_shm.shared.guard import ensure_value
 from dask_shm.shared.payload import read_tracking_mapping
 from dask_shm.shared.store import Handle, SharedSpillStore, mapped_values_bound
-from dask_shm.shared.tiers import TieredFiles, open_tiers, tier_specs
+from dask_shm.shared.tiers import TieredFiles, TierSpec, open_tiers, tier_specs, tiers_of
 from dask_shm.spill import SpillBuffer, _Handled
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, file_stem, frames_to_object
 
@@ -147,14 +147,44 @@ class SharedSpillBuffer(SpillBuffer):
         usable tmpfs, OSError if a directory cannot be made."""
         target = byte_size(target, "target")
         budget = byte_size(budget, "budget")
+        specs = tier_specs(root, disk_root)
+        return cls.on_tiers(
+            target,
+            specs,
+            {specs[0].name: budget},
+            min_size=min_size,
+            min_shared_fraction=min_shared_fraction,
+            max_spill=max_spill,
+            name=name,
+            max_mapped=max_mapped,
+        )
+
+    @classmethod
+    def on_tiers(
+        cls,
+        target: int | str,
+        specs: Sequence[TierSpec],
+        budgets: Mapping[str, int],
+        *,
+        min_size: int | str,
+        min_shared_fraction: float,
+        max_spill: int | str | Literal[False] = False,
+        name: str | None = None,
+        max_mapped: int | None = None,
+    ) -> SharedSpillBuffer:
+        """:meth:`create` on the file tiers ``specs`` (see
+        :func:`~dask_shm.shared.tiers.tier_specs`) within ``budgets`` (bytes
+        by tier name; see :func:`~dask_shm.shared.tiers.open_tiers`). Same
+        errors as :meth:`create` (UnusableRoot for a RAM tier's root that is
+        not a usable tmpfs)."""
+        target = byte_size(target, "target")
         min_size = byte_size(min_size, "min_size")
         min_shared_fraction = fraction(min_shared_fraction, "min_shared_fraction")
         max_spill = spill_limit(max_spill, "max_spill")
-        paths.check_root(root)
-        specs = tier_specs(root, disk_root)
-        file_tiers = open_tiers(
-            specs, name or f"buffer-{uuid.uuid4().hex[:12]}", {specs[0].name: budget}
-        )
+        for spec in specs:
+            if spec.ram:
+                paths.check_root(spec.root)
+        file_tiers = open_tiers(specs, name or f"buffer-{uuid.uuid4().hex[:12]}", budgets)
         store = SharedSpillStore(
             TieredFiles(file_tiers),
             max_spill,
@@ -180,11 +210,11 @@ class SharedSpillBuffer(SpillBuffer):
 
         settings = SharedMemorySettings.from_config()
         budget = limits.tier2_budget(settings.max_bytes, settings.root, memory_limit)
-        return cls.create(
+        specs = tiers_of(settings)
+        return cls.on_tiers(
             target,
-            root=settings.root,
-            disk_root=settings.disk_root,
-            budget=budget.limit,
+            specs,
+            {specs[0].name: budget.limit},
             min_size=settings.min_size,
             min_shared_fraction=settings.min_shared_fraction,
             max_spill=max_spill,

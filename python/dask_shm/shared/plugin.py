@@ -28,7 +28,7 @@ from dask_shm.shared import (
 from dask_shm.shared.buffer import SharedSpillBuffer
 from dask_shm.shared.registry import PeerRegistry
 from dask_shm.shared.sender import install_get_data
-from dask_shm.shared.tiers import FileTier, TierSpec, tier_specs
+from dask_shm.shared.tiers import FileTier, TierSpec, tiers_of
 
 if TYPE_CHECKING:
     from distributed import Nanny, Worker
@@ -79,7 +79,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         # Before the budget, which is capped by the root's free space: what
         # dead processes left there is not taken. O(their files): in a thread,
         # off the event loop (an in-process cluster shares it with the client).
-        await asyncio.to_thread(reclaim_dead_processes, tier_specs(root, settings.disk_root))
+        await asyncio.to_thread(reclaim_dead_processes, tiers_of(settings, root))
         if isinstance(worker.data, SharedSpillBuffer):  # set up meanwhile
             return
         self._install(worker, settings, born_settings, root)
@@ -107,12 +107,12 @@ class SharedMemoryPlugin(WorkerPlugin):
         )
         target = target_from_config(memory_limit) or sys.maxsize
         try:
-            # The one check of the root (create raises UnusableRoot).
-            buffer = SharedSpillBuffer.create(
+            # The one check of the root (on_tiers raises UnusableRoot).
+            specs = tiers_of(settings, root)
+            buffer = SharedSpillBuffer.on_tiers(
                 target,
-                root=root,
-                disk_root=settings.disk_root,
-                budget=budget.limit,
+                specs,
+                {specs[0].name: budget.limit},
                 min_size=settings.min_size,
                 min_shared_fraction=settings.min_shared_fraction,
                 max_spill=worker.memory_manager.max_spill,
@@ -249,7 +249,7 @@ class SharedMemoryNannyPlugin(NannyPlugin):
 
     async def setup(self, nanny: Nanny) -> None:
         settings = SharedMemorySettings.from_config()
-        specs = tier_specs(self.root or settings.root, settings.disk_root)
+        specs = tiers_of(settings, self.root)
         # A RAM tier on an unusable root is left alone (its worker says why).
         self._tiers = [t for t in specs if not t.ram or self._usable(t.root)]
         await self._sweep()

@@ -44,7 +44,7 @@ import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from dask_shm._core import FileStore, TierBudget, move_entry
 from dask_shm.shared import paths
@@ -75,18 +75,38 @@ class TierSpec:
     ram: bool
     linkable: bool = True
     registry: bool = False
+    #: bytes it may hold, when fixed by settings (a budget given to
+    #: :func:`open_tiers`, such as the worker's tmpfs budget, takes precedence)
+    budget: int | None = None
+
+
+class _Roots(Protocol):
+    """The settings :func:`tiers_of` reads (``SharedMemorySettings``)."""
+
+    @property
+    def root(self) -> str: ...
+    @property
+    def disk_root(self) -> str: ...
 
 
 def tier_specs(root: str, disk_root: str) -> list[TierSpec]:
     """The file tiers, fastest first, from the ``shm.shared-memory`` roots:
     the shared-memory tmpfs ``root`` (tier 2), then ``disk_root`` on a real
-    file system (tier 3). A new tier is a new entry here (its root a new
-    setting) plus, if it is not a directory of files, its store in
-    :func:`open_tiers`."""
+    file system (tier 3). A new tier is a new entry here and in
+    :func:`tiers_of` (its root and budget new settings) plus, if it is not a
+    directory of files, its store in :func:`open_tiers`."""
     return [
         TierSpec("shared", root, ram=True, registry=True),
         TierSpec("disk", disk_root, ram=False),
     ]
+
+
+def tiers_of(settings: _Roots, root: str | None = None) -> list[TierSpec]:
+    """:func:`tier_specs` of parsed ``shm.shared-memory`` settings, with
+    ``root`` (if given) in place of ``settings.root``: what the plugins, ``dask
+    shm info`` and ``dask shm clean`` use, so that a tier's new settings reach
+    them all from here."""
+    return tier_specs(root or settings.root, settings.disk_root)
 
 
 @dataclass(frozen=True)
@@ -115,15 +135,16 @@ def open_tiers(
 ) -> list[FileTier]:
     """A buffer's tiers: for each spec, the store
     ``<root>/dask-shm-<uid>/<process>/<buffer_name>`` and the outgoing
-    directory next to it, within ``budgets[spec.name]`` bytes (a spec not in
-    ``budgets`` is unbounded; only the last may be). Raises ValueError for a
-    budget on the last tier or none on another, OSError if a directory
-    cannot be made."""
+    directory next to it, within ``budgets[spec.name]`` bytes, else
+    ``spec.budget`` (neither: unbounded; only the last may be, and must be).
+    Raises ValueError for a budget on the last tier or none on another,
+    OSError if a directory cannot be made."""
     if not specs:
         raise ValueError("at least one file tier is needed")
-    if specs[-1].name in budgets:
+    limits = {s.name: budgets.get(s.name, s.budget) for s in specs}
+    if limits[specs[-1].name] is not None:
         raise ValueError(f"the last tier ({specs[-1].name}) takes what the others do not fit")
-    unbounded = [s.name for s in specs[:-1] if s.name not in budgets]
+    unbounded = [s.name for s in specs[:-1] if limits[s.name] is None]
     if unbounded:
         raise ValueError(f"tier(s) {', '.join(unbounded)} need a budget")
     return [
@@ -134,7 +155,7 @@ def open_tiers(
             # no recycling: files are mapped
             store=FileStore(paths.subdir(spec.root, buffer_name)),
             outgoing=paths.subdir(spec.root, "outgoing"),
-            budget=TierBudget(budgets[spec.name]) if spec.name in budgets else None,
+            budget=None if (limit := limits[spec.name]) is None else TierBudget(limit),
             ram=spec.ram,
             linkable=spec.linkable,
         )
