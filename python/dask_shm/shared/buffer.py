@@ -3,18 +3,19 @@
 Layers, one concern each (zict style):
 
 - :class:`SharedSpillBuffer` (this module): which values are in memory
-  (``fast``, private bytes plus tier-2 bytes against ``target``, see
-  :mod:`~dask_shm.charged_lru`) and which are spilled; files
+  (``fast``, private bytes plus the bytes of RAM tiers' files against
+  ``target``, see :mod:`~dask_shm.charged_lru`) and which are spilled; files
   received from peers (*arrivals*) and the values they back;
 - :class:`~dask_shm.shared.store.SharedSpillStore`: serialized values in
   files, retained while a mapped value is in memory, exported/adopted by hard link;
-- :class:`~dask_shm.shared.tiers.TieredFiles`: where each file lives, tier 2
-  (tmpfs, within a byte budget) or tier 3 (a real file system);
+- :class:`~dask_shm.shared.tiers.TieredFiles`: where each file lives, in an
+  ordered list of file tiers (by default tier 2, the tmpfs within a byte
+  budget, then tier 3, a real file system);
 - :class:`~dask_shm._core.FileStore` (Rust): one directory of files.
 
 The public error contract is :class:`dask_shm.SpillBuffer`'s. Settings are
-passed in (:meth:`SharedSpillBuffer.create`); only :meth:`from_config`, an
-edge for direct users, reads dask config.
+passed in (:meth:`SharedSpillBuffer.create`, :meth:`SharedSpillBuffer.on_tiers`);
+only :meth:`from_config`, an edge for direct users, reads dask config.
 
 Adopting an existing file as the backing of a key (for code that builds
 values directly in shared files, e.g. a numpy allocator): write the file in
