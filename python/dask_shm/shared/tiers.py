@@ -198,6 +198,8 @@ class TieredFiles:
         #: the file tiers, fastest first
         self.tiers: tuple[FileTier, ...] = tuple(tiers)
         self._first = self.tiers[0]
+        # ram_bytes runs at every eviction decision of the charged LRU
+        self._ram_stores = [t.store for t in self.tiers if t.ram]
         self._lock = threading.RLock()
         #: name here -> (index in ``tiers``, name in its store), for every
         #: entry not in the first tier
@@ -250,7 +252,7 @@ class TieredFiles:
         """Bytes of RAM tiers' files that count for this store (1/k of a file
         with k hard links): what this worker holds in tmpfs files. O(1); link
         counts that peers changed are seen after :meth:`refresh_links`."""
-        return sum(int(t.store.total()[1]) for t in self.tiers if t.ram)
+        return sum([int(store.total()[1]) for store in self._ram_stores])
 
     def refresh_links(self) -> int:
         """Correct the link counts of every tier's shared files (O(shared
