@@ -143,7 +143,7 @@ def test_unspill(benchmark: Any, impl: str, spill_dir: str) -> None:
     for i, v in enumerate(_values()):
         buf[f"k{i}"] = v
     if impl == "ours":
-        assert len(buf.store.tiers.disk) == N_CHUNKS
+        assert len(buf.store.tiers.tier("disk").store) == N_CHUNKS
 
     def unspill() -> float:
         total = 0.0
@@ -173,7 +173,7 @@ def test_tier_move(benchmark: Any, impl: str, spill_dir: str) -> None:
 
     def move(buf: Any) -> None:
         tiers = buf.store.tiers
-        tiers.budget.limit = 0
+        tiers.tier("shared").budget.limit = 0
         tiers.enforce()
         assert tiers.moves == N_CHUNKS
         buf.clear()

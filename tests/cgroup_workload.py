@@ -65,7 +65,7 @@ def main(options: dict) -> dict:
             tiers = getattr(store, "tiers", None)
             if tiers is None:
                 return {"tier3_files": 0, "tier3_moves": 0}
-            return {"tier3_files": len(tiers.disk), "tier3_moves": tiers.moves}
+            return {"tier3_files": len(tiers.tier("disk").store), "tier3_moves": tiers.moves}
 
         tiers = client.run(where)
         pids_after = client.run(os.getpid)

@@ -55,7 +55,7 @@ def main(options: dict) -> None:
             return {
                 "pid": os.getpid(),
                 "tier2": os.path.dirname(str(store.directory)),
-                "tier3": os.path.dirname(str(store.tiers.disk.directory)),
+                "tier3": os.path.dirname(str(store.tiers.tier("disk").store.directory)),
             }
 
         print(json.dumps(list(client.run(directories).values())), flush=True)

@@ -23,7 +23,7 @@ from clusters import process_cluster, worker_addresses
 from distributed.utils_test import gen_cluster, gen_test
 
 from dask_shm._core import born_stats, read_peer_file
-from dask_shm.shared import born, born_store, born_worker, paths
+from dask_shm.shared import born, born_worker, paths
 from dask_shm.spill_store import frames_to_object, serialize_unsplit
 
 MiB = 1 << 20
@@ -452,7 +452,7 @@ def _store(shm_dir: str, disk_root: Any, max_weight: int | bool = False, budget:
     return buffer.store
 
 
-def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str, tmp_path: Any) -> None:
+def test_adopt_born_a_store_writes_only_the_header(arena: str, shm_dir: str, tmp_path: Any) -> None:
     store = _store(shm_dir, tmp_path)
     with born.allocating():
         a = np.arange(MiB // 2, dtype=np.float64)
@@ -460,7 +460,7 @@ def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str, tmp
     assert block is not None
     with open(block.path, "rb") as f:
         before = f.read(os.stat(block.path).st_size)
-    name = born_store.adopt_into(store, "x", a)
+    name = store.adopt_born("x", a)
     assert name is not None
     store._register("x", name)
     path = store.files.path(name)
@@ -479,7 +479,7 @@ def test_adopt_into_a_store_writes_only_the_header(arena: str, shm_dir: str, tmp
     del a
     assert os.path.exists(path)
     np.testing.assert_array_equal(store["x"], value)
-    assert born_store.adopt_into(store, "y", np.ones(MiB)) is None  # not born
+    assert store.adopt_born("y", np.ones(MiB)) is None  # not born
 
 
 def test_store_spill_of_a_born_array_meters_one_header_write(
@@ -538,22 +538,22 @@ def test_arrays_of_one_kind_reuse_a_header_and_read_back_exactly(
         np.testing.assert_array_equal(_bytes(value), _bytes(expected))
 
 
-def test_adopt_into_respects_max_spill(arena: str, shm_dir: str, tmp_path: Any) -> None:
+def test_adopt_born_respects_max_spill(arena: str, shm_dir: str, tmp_path: Any) -> None:
     from dask_shm.spill_store import MaxSpillExceeded
 
     store = _store(shm_dir, tmp_path, max_weight=MiB)
     with born.allocating():
         a = np.ones(MiB // 4)  # 2 MiB
     with pytest.raises(MaxSpillExceeded):
-        born_store.adopt_into(store, "x", a)
+        store.adopt_born("x", a)
     assert not born.whole_block(a).sealed  # untouched
 
 
-def test_adopt_into_respects_the_tier2_budget(arena: str, shm_dir: str, tmp_path: Any) -> None:
+def test_adopt_born_respects_the_tier2_budget(arena: str, shm_dir: str, tmp_path: Any) -> None:
     store = _store(shm_dir, tmp_path, budget=MiB)
     with born.allocating():
         a = np.ones(MiB // 4)  # 2 MiB: more than tier 2 may hold
-    assert born_store.adopt_into(store, "x", a) is None
+    assert store.adopt_born("x", a) is None
     assert not born.whole_block(a).sealed
     store["x"] = a  # the ordinary write, which goes to tier 3
     assert store.tiers.tier_of(store.file_of("x")) == 3
@@ -568,13 +568,14 @@ def test_arena_budget_follows_what_tier2_leaves(shm_dir: str, tmp_path: Any) -> 
     try:
         with born.allocating():
             a = np.ones(MiB // 2)  # 4 MiB
-        name = born_store.adopt_into(store, "a", a)
+        name = store.adopt_born("a", a)
         assert name is not None
         store._register("a", name)
         # Disowned blocks no longer count against the arena's own budget...
         assert born.stats()["owned_bytes"] == 0
         # ...but they fill tier 2, which is what a worker's budget function reads.
-        tier2 = store.tiers.budget
+        tier2 = store.tiers.tier("shared").budget
+        assert tier2 is not None
         born.start(directory, budget=max(0, 5 * MiB - tier2.used))
         with born.allocating():
             b = np.ones(MiB // 2)

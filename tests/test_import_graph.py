@@ -15,10 +15,8 @@ import dask_shm
 
 PACKAGE = Path(dask_shm.__file__).parent
 
-#: The one circle left, in the storage classes, which their own change
-#: removes (``adopt_into`` of the born store reaches into the store); listed
-#: exactly, so that no module can join it unnoticed.
-KNOWN: list[set[str]] = [{"dask_shm.shared.store", "dask_shm.shared.born_store"}]
+#: Circles allowed: none.
+KNOWN: list[set[str]] = []
 
 
 def module_names() -> dict[str, Path | None]:

@@ -555,7 +555,7 @@ def test_moved_and_born_files_are_sealed_and_checked(root, tmp_path) -> None:
     buf["moved"] = np.full(MB, 3.0)
     buf.evict()
     tier2_inode = os.stat(store.path("moved")).st_ino
-    tiers.budget.limit = 0
+    tiers.tier("shared").budget.limit = 0
     tiers.enforce()
     assert tiers.tier_of(store.file_of("moved")) == 3
     path = store.path("moved")
@@ -570,7 +570,7 @@ def test_moved_and_born_files_are_sealed_and_checked(root, tmp_path) -> None:
         buf["moved"]
     del buf["moved"]
 
-    tiers.budget.limit = 64 * MB
+    tiers.tier("shared").budget.limit = 64 * MB
     arena = os.path.join(paths.user_root(root), "born-test")
     os.mkdir(arena, 0o700)
     born.start(arena, threshold=MB, budget=64 * MB)

@@ -254,7 +254,7 @@ if __name__ == "__main__":
         def where(dask_worker):
             store = dask_worker.data.store
             kind = type(dask_worker.data).__name__
-            return [kind, str(store.directory), str(store.tiers.disk.directory)]
+            return [kind, str(store.directory), str(store.tiers.tier("disk").store.directory)]
 
         print(json.dumps({
             "uid": os.geteuid(),
@@ -328,7 +328,7 @@ def test_a_second_user_gets_shared_mode_with_default_config_in_directories_of_it
             mine = {w: f for w, f in client.run(files).items() if f[0] is not None}
             assert mine, "the first user's value is in no shared file"
             first_disk = client.run(
-                lambda dask_worker: str(dask_worker.data.store.tiers.disk.directory)
+                lambda dask_worker: str(dask_worker.data.store.tiers.tier("disk").store.directory)
             )
             assert all(d.startswith(f"{tmp}/dask-scratch-space/") for d in first_disk.values())
 

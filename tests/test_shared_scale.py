@@ -124,7 +124,7 @@ def _worker_report(dask_worker: Worker) -> dict[str, float]:
         "monitor_calls": len(calls),
         "monitor_max": max(calls, default=0.0),
         "tick_max": dask_worker.digests_max["tick-duration"],
-        "shared_files": data.store.tiers.tmpfs.shared_len(),
+        "shared_files": data.store.tiers.tier("shared").store.shared_len(),
         "files": len(data.store.tiers),
         "mapped": len(data.store.retained),
         "degraded_reads": data.store.degraded_reads,

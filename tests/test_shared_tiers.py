@@ -60,11 +60,46 @@ def test_spills_beyond_the_budget_go_to_disk_and_read_back(shm_dir, disk_root):
         buf[k] = v
     where = {k: tiers.tier_of(buf.store.file_of(k)) for k in values}
     assert sorted(where.values()) == [2, 2, 3, 3, 3, 3], where
-    assert tiers.budget.used <= 20 * MiB
-    assert tiers.tier2_bytes() <= 20 * MiB
-    assert os.listdir(tiers.disk.directory), "tier-3 files on the real file system"
+    assert tiers.tier("shared").budget.used <= 20 * MiB
+    assert tiers.ram_bytes() <= 20 * MiB
+    assert os.listdir(tiers.tier("disk").directory), "tier-3 files on the real file system"
     for k, v in values.items():
         np.testing.assert_array_equal(buf[k], v)
+    buf.close()
+
+
+def test_a_third_file_tier_is_one_more_entry(shm_dir, disk_root, tmp_path):
+    """Three file tiers (tmpfs, a budgeted middle directory, the disk):
+    writes go to the first tier with room, over-budget files move down one
+    tier at a time, and every file reads back wherever it is."""
+    from dask_shm.shared.store import SharedSpillStore
+    from dask_shm.shared.tiers import TieredFiles, TierSpec, open_tiers
+
+    middle = tmp_path / "middle"
+    middle.mkdir()
+    specs = [
+        TierSpec("shared", shm_dir, ram=True, registry=True),
+        TierSpec("middle", str(middle), ram=False),
+        TierSpec("disk", disk_root, ram=False),
+    ]
+    files = TieredFiles(open_tiers(specs, "three", {"shared": 20 * MiB, "middle": 20 * MiB}))
+    store = SharedSpillStore(files, min_size=64 * 1024, min_shared_fraction=0.5)
+    buf = SharedSpillBuffer(store, 0)
+    values = {f"k{i}": np.full(MiB, i, dtype="f8") for i in range(6)}  # 8 MiB each
+    for k, v in values.items():
+        buf[k] = v
+    where = sorted(files.tier_of(store.file_of(k)) for k in values)
+    assert where == [2, 2, 3, 3, 4, 4], where
+    assert [len(t.store) for t in files.tiers] == [2, 2, 2]
+    files.tier("shared").budget.limit = 0  # the first tier empties into the middle one
+    files.enforce()
+    assert sorted(files.tier_of(store.file_of(k)) for k in values) == [3, 3, 4, 4, 4, 4]
+    assert files.moved_in == {"shared": 0, "middle": 2, "disk": 2}
+    for k, v in values.items():
+        np.testing.assert_array_equal(buf[k], v)
+    for k in values:
+        del buf[k]
+    assert len(files) == 0 and files.total() == (0, 0)
     buf.close()
 
 
@@ -76,8 +111,8 @@ def test_mapped_values_stay_put_and_move_once_released(shm_dir, disk_root):
     buf.evict()
     buf.evict()
     a, b = buf["a"], buf["b"]  # mapped from tier 2, retained: pinned
-    assert tiers.budget.used == 2 * tiers.sizes(buf.store.file_of("a"))[1]
-    tiers.budget.limit = 0  # the budget shrinks (as on ENOSPC)
+    assert tiers.tier("shared").budget.used == 2 * tiers.sizes(buf.store.file_of("a"))[1]
+    tiers.tier("shared").budget.limit = 0  # the budget shrinks (as on ENOSPC)
     assert tiers.enforce() is False  # over budget, and nothing may move
     assert {tiers.tier_of(buf.store.file_of(k)) for k in "ab"} == {2}, "pinned files never move"
     buf.evict()  # releases the least recently used retained value: it moves now
@@ -125,8 +160,8 @@ def test_enospc_sends_spills_to_disk_and_nothing_stays_in_memory(disk_root, capl
             buf[k] = v
         tiers = buf.store.tiers
         assert not buf.fast, "nothing is kept in memory because the tmpfs is full"
-        assert tiers.tmpfs_full
-        assert len(tiers.disk) >= 4
+        assert "shared" in tiers.full
+        assert len(tiers.tier("disk").store) >= 4
         assert "shared-memory root is full" in caplog.text
         for k, v in values.items():
             np.testing.assert_array_equal(buf[k], v)
@@ -318,7 +353,7 @@ def _state(dask_worker) -> dict:  # type: ignore[no-untyped-def]
     data = dask_worker.data
     files = [
         os.path.join(d, f)
-        for d in (data.store.directory, data.store.tiers.disk.directory)
+        for d in (data.store.directory, data.store.tiers.tier("disk").store.directory)
         for f in os.listdir(d)
     ]
     return {

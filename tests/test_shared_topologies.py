@@ -51,7 +51,7 @@ def _counters(dask_worker) -> dict:
     tiers = data.store.tiers
     return {
         **data.shm_counters,
-        "tier3_files": tiers.direct_to_disk + tiers.moves,
+        "tier3_files": tiers.overflow_writes + tiers.moves,
     }
 
 

@@ -211,3 +211,51 @@ def test_file_store_rejects_bad_names_and_foreign_directories(tmp_path):
     with pytest.raises(OSError):
         FileStore(str(tmp_path / "file"))
     assert oct(os.stat(tmp_path / "d").st_mode & 0o777) == "0o700"
+
+
+def test_parts_passed_in_build_the_buffer(tmp_path):
+    """A buffer built on SpillBuffer passes its store, weight and charge in:
+    the charge (bytes held outside the values, capped at half the target)
+    counts against ``target``, the given store is the one spilled to, and
+    the buffer has all the state zict.Buffer's own __init__ sets up (it
+    builds that state itself, with the charged LRU: a zict that adds state
+    shows here)."""
+    import zict
+
+    from dask_shm.spill_store import SpillStore
+
+    store = SpillStore(str(tmp_path / "given"))
+    buf = SpillBuffer(None, 1000, store=store, weight=lambda k, v: len(v), charge=lambda: 400)
+    assert set(vars(zict.Buffer({}, {}, n=1))) <= set(vars(buf))
+    assert buf.store is store and buf.cumulative_metrics is store.cumulative_metrics
+    buf["a"] = b"x" * 300
+    buf["b"] = b"x" * 300
+    assert set(buf.memory) == {"a", "b"}  # 600 + 400 is not above 1000
+    buf["c"] = b"x" * 300
+    assert set(buf.memory) == {"b", "c"} and set(store) == {"a"}
+    assert buf["a"] == b"x" * 300
+    buf.close()
+
+    capped = SpillBuffer(
+        None,
+        1000,
+        store=SpillStore(str(tmp_path / "capped")),
+        weight=lambda k, v: len(v),
+        charge=lambda: 10**9,
+    )
+    capped["a"] = b"x" * 400
+    capped["b"] = b"x" * 100
+    assert set(capped.memory) == {"a", "b"}, "the charge is at most half the target"
+    capped.close()
+
+    with pytest.raises(ValueError, match="belong to the given store"):
+        SpillBuffer(str(tmp_path / "both"), 1000, store=SpillStore(str(tmp_path / "s")))
+
+
+def test_spill_directory_may_be_a_path_as_in_stock(tmp_path):
+    """distributed's own tests pass a pathlib.Path."""
+    buf = SpillBuffer(tmp_path / "spill", target=100)
+    buf["a"] = "a" * 200  # larger than target: straight to disk
+    assert set(buf.disk) == {"a"} and os.listdir(tmp_path / "spill")
+    assert buf["a"] == "a" * 200
+    buf.close()

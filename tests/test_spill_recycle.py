@@ -235,8 +235,8 @@ def test_shared_buffer_never_recycles(shm_dir, tmp_path):
             buf[f"y{i}"] = np.full(MiB, i, dtype="u8")
             del buf[f"y{i}"]
         np.testing.assert_array_equal(x, np.arange(MiB, dtype="u8"))
-        assert buf.store.tiers.tmpfs.pooled == (0, 0)
-        assert buf.store.tiers.disk.pooled == (0, 0)
+        assert buf.store.tiers.tier("shared").store.pooled == (0, 0)
+        assert buf.store.tiers.tier("disk").store.pooled == (0, 0)
 
 
 @pytest.mark.parametrize("cycle", ["del", "unspill"])

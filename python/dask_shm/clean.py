@@ -15,6 +15,7 @@ from dask.utils import format_bytes
 
 from dask_shm.config import SharedMemorySettings
 from dask_shm.shared import paths
+from dask_shm.shared.tiers import tiers_of
 
 HELP = """\
 Remove this user's files of dead dask-shm processes (a killed worker or
@@ -48,7 +49,7 @@ def clean(roots: tuple[str, ...]) -> None:
             settings = SharedMemorySettings.from_config()
         except ValueError as e:
             raise click.ClickException(f"invalid configuration: {e}") from e
-        targets = [settings.root, settings.disk_root]
+        targets = [t.root for t in tiers_of(settings)]
     failed = False
     total = 0
     for root in targets:

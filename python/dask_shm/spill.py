@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import zict
@@ -16,6 +17,7 @@ from distributed.sizeof import safe_sizeof
 from distributed.spill import SpilledSize
 
 from dask_shm._core import SpillFileError
+from dask_shm.charged_lru import ChargedLRU
 from dask_shm.config import byte_size, spill_limit, spill_recycle_bytes
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, SpillStore
 
@@ -110,14 +112,25 @@ class SpillBuffer(zict.Buffer[Key, object]):
 
     def __init__(
         self,
-        spill_directory: str | None,
+        spill_directory: str | os.PathLike[str] | None,
         target: int | str,
         max_spill: int | str | Literal[False] = False,
         *,
         memmap: bool = False,
         shared: bool = False,
         recycle_bytes: int | str | None = None,
+        store: SpillStore | None = None,
+        weight: Callable[[Key, object], float] = _in_memory_weight,
+        charge: Callable[[], float] | None = None,
     ):
+        """The parts (keyword-only, for buffers built on this class) default
+        to stock's: ``store`` holds the spilled values (default: a
+        :class:`SpillStore` in ``spill_directory``, behind a weak-value
+        cache; given, ``spill_directory`` and ``max_spill`` are its business
+        and must be None and False), ``weight`` measures a value in memory
+        (default ``sizeof``), ``charge`` returns bytes held outside the
+        values that count against ``target`` too (at most half of it, see
+        :class:`ChargedLRU`)."""
         target = byte_size(target, "target")
         recycle = (
             spill_recycle_bytes()
@@ -131,26 +144,48 @@ class SpillBuffer(zict.Buffer[Key, object]):
                 "SharedSpillBuffer.from_config(target, max_spill) (or register "
                 "dask_shm.SharedMemoryPlugin on the workers)"
             )
-        self._init_state(defaultdict(float))
-        if spill_directory is None:
-            raise ValueError("spill_directory is required")
-        slow = SpillStore(
-            spill_directory,
-            max_spill,
-            metrics=self.cumulative_metrics,
-            mapped=memmap,
-            recycle_bytes=recycle,
-        )
-        # A value still referenced elsewhere since its last unspill is served
-        # from the weak-value cache instead of being read (and held) twice.
-        slow_cached = zict.Cache(slow, zict.WeakValueMapping())
-        super().__init__(fast={}, slow=slow_cached, n=target, weight=_in_memory_weight)
-
-    def _init_state(self, metrics: defaultdict[tuple[str, str], float]) -> None:
-        """State every buffer built on this class needs before zict's __init__."""
         self._operation_lock = threading.RLock()
-        self.cumulative_metrics = metrics
         self.logged_pickle_errors = set()
+        slow: MutableMapping[Key, object]
+        if store is None:
+            if spill_directory is None:
+                raise ValueError("spill_directory is required")
+            self.cumulative_metrics = defaultdict(float)
+            store = SpillStore(
+                spill_directory,
+                max_spill,
+                metrics=self.cumulative_metrics,
+                mapped=memmap,
+                recycle_bytes=recycle,
+            )
+            # A value still referenced elsewhere since its last unspill is served
+            # from the weak-value cache instead of being read (and held) twice.
+            slow = zict.Cache(store, zict.WeakValueMapping())
+        else:
+            if spill_directory is not None or max_spill is not False:
+                raise ValueError("spill_directory and max_spill belong to the given store")
+            self.cumulative_metrics = store.cumulative_metrics
+            slow = store
+        self._store = store
+        if charge is None:
+            super().__init__(fast={}, slow=slow, n=target, weight=weight)
+            return
+        # zict.Buffer.__init__ always builds a plain LRU: the same state, with
+        # the charged one (tests/test_spill_buffer.py checks it stays the same).
+        zict.common.ZictBase.__init__(self)
+        self.fast = ChargedLRU(
+            target,
+            {},
+            charge=charge,
+            weight=weight,
+            on_evict=[self.fast_to_slow],
+            on_cancel_evict=[self._cancel_evict],
+        )
+        self.slow = slow
+        self.weight = weight
+        self.fast_to_slow_callbacks = []
+        self.slow_to_fast_callbacks = []
+        self._cancel_restore = {}
 
     def _insert(self, key: Key, value: object) -> None:
         """Store ``value`` (zict's insertion: memory or, if too large, disk)."""
@@ -287,7 +322,7 @@ class SpillBuffer(zict.Buffer[Key, object]):
         """The store holding the spilled values (``disk`` without its
         weak-value cache): ``weight_by_key``, ``total_weight``, ``path(key)``,
         ``files``. Read it; do not write through it."""
-        return cast(SpillStore, cast(zict.Cache, self.slow).data)
+        return self._store
 
     @property
     def _slow_uncached(self) -> SpillStore:

@@ -10,10 +10,11 @@ turns into its public error contract.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections import defaultdict
-from collections.abc import Hashable, Iterator, Mapping, MutableMapping
-from typing import Literal
+from collections.abc import Hashable, Iterable, Iterator, Mapping, MutableMapping
+from typing import Any, Literal, Protocol
 from urllib.parse import quote
 
 import msgpack
@@ -101,6 +102,30 @@ def _file_bytes(frames: list[memoryview]) -> int:
     return len(frames[0].obj) if frames else 0  # type: ignore[arg-type]
 
 
+class SpillFiles(Protocol):
+    """What :class:`SpillStore` needs of its files, one entry per value:
+    :class:`~dask_shm._core.FileStore` (one directory) and
+    :class:`~dask_shm.shared.tiers.TieredFiles` (a list of tiers) satisfy it.
+    Sizes are ``(memory, disk)`` bytes; see ``FileStore`` for each method's
+    contract."""
+
+    @property
+    def directory(self) -> str: ...
+    def put(
+        self, stem: str, frames: Iterable[Any], memory: int, max_disk: int | None = None
+    ) -> tuple[str, int] | None: ...
+    def read(self, name: str) -> list[memoryview]: ...
+    def read_mapped(self, name: str) -> list[memoryview]: ...
+    def delete(self, name: str) -> tuple[int, int] | None: ...
+    def sizes(self, name: str) -> tuple[int, int]: ...
+    def set_memory(self, name: str, memory: int) -> None: ...
+    def path(self, name: str) -> str: ...
+    def total(self) -> tuple[int, int]: ...
+    def names(self) -> list[str]: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, name: str, /) -> bool: ...
+
+
 class _WeightByKey(Mapping[Key, SpilledSize]):
     """Read-only ``{key: SpilledSize}`` view of the store's accounting."""
 
@@ -137,18 +162,28 @@ class SpillStore(MutableMapping[Key, object]):
     filenames: dict[Key, str]
     weight_by_key: Mapping[Key, SpilledSize]
 
+    files: SpillFiles
+
     def __init__(
         self,
-        spill_directory: str,
+        files: str | os.PathLike[str] | SpillFiles,
         max_weight: int | Literal[False] = False,
         *,
         metrics: defaultdict[tuple[str, str], float] | None = None,
         mapped: bool = False,
         recycle_bytes: int = 0,
     ):
-        # Recycling overwrites files of removed entries (recycle_bytes of them
-        # at most): only safe when no value is ever a mapping of its file.
-        self.files = FileStore(spill_directory, recycle_bytes=0 if mapped else recycle_bytes)
+        """Values go to ``files``: a spill directory (str or path-like; a
+        :class:`~dask_shm._core.FileStore` is opened there) or any
+        :class:`SpillFiles`; at most ``max_weight`` bytes on disk; ``mapped``:
+        unspill through a private mapping; ``recycle_bytes``: bytes of removed
+        entries' files kept for reuse in a directory opened here (never when
+        ``mapped``). Raises OSError if a directory cannot be made."""
+        if isinstance(files, (str, os.PathLike)):
+            # Recycling overwrites files of removed entries (recycle_bytes of them
+            # at most): only safe when no value is ever a mapping of its file.
+            files = FileStore(files, recycle_bytes=0 if mapped else recycle_bytes)
+        self.files = files
         self.max_weight = max_weight
         self.mapped = mapped
         self.filenames = {}

@@ -42,6 +42,7 @@ from dask_shm.shared.paths import (
     user_dir_problem,
 )
 from dask_shm.shared.plugin import PLUGIN_NAME
+from dask_shm.shared.tiers import FIRST_FILE_TIER, tiers_of
 from dask_shm.sysctl import max_map_count
 
 
@@ -91,7 +92,8 @@ class DeadFiles(NamedTuple):
     """What dead processes (killed, so they could not clean up) left under a
     root: ``dask shm clean`` removes it."""
 
-    #: "tier 2" (the shared-memory root) or "tier 3" (the disk root)
+    #: "tier <n>": the root of file tier n (see :mod:`dask_shm.shared.tiers`;
+    #: tier 2 is the shared-memory root, tier 3 the disk root)
     tier: str
     root: str
     #: Directories of dead processes and the bytes removing them gives back
@@ -408,12 +410,14 @@ def gather_facts(
             info.limits = summary(root, settings.max_bytes if settings else None)
         except OSError:
             info.limits = None
-    disk_root = settings.disk_root if settings is not None else None
-    info.dead_files = [
-        dead_files(tier, where)
-        for tier, where in (("tier 2", root), ("tier 3", disk_root))
-        if where is not None and hasattr(os, "geteuid")
-    ]
+    if hasattr(os, "geteuid"):
+        # Without a valid config only the root given (or the default) is known.
+        specs = tiers_of(settings, root) if settings is not None else None
+        roots = [s.root for s in specs] if specs is not None else [root]
+        info.dead_files = [
+            dead_files(f"tier {number}", where)
+            for number, where in enumerate(roots, FIRST_FILE_TIER)
+        ]
     if scheduler_address is not None:
         info.scheduler_error, info.workers = ask_workers(scheduler_address, timeout)
     return info

@@ -3,8 +3,9 @@ same-host transfers by hard link. See ``shared/shm-design.md`` in the project
 and the README section "Shared-memory mode".
 
 Modules, one concern each: :mod:`.buffer` (:class:`SharedSpillBuffer`, the
-spill buffer), :mod:`.store` (its files), :mod:`.tiers` (tmpfs tier 2 over
-disk tier 3), :mod:`.limits` (cgroup, tmpfs space, the tier-2 budget),
+spill buffer), :mod:`.store` (its files), :mod:`.tiers` (the file tiers as
+an ordered list: tmpfs tier 2, then disk tier 3), :mod:`.limits` (cgroup,
+tmpfs space, the tier-2 budget),
 :mod:`.paths` (directories, cleanup), :mod:`.payload` (what is worth sharing),
 :mod:`.transfer` (handles, receiving), :mod:`.sender` (get_data),
 :mod:`.registry` (same-host peers), :mod:`.monitor` (memory monitors),

@@ -3,34 +3,51 @@ spilling it and handing it to a same-host peer cost is one header page."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from dask_shm import _core
 from dask_shm.shared import born
 
-if TYPE_CHECKING:
-    from dask.typing import Key
 
-    from dask_shm.shared.store import SharedSpillStore
+@dataclass(frozen=True)
+class BornFile:
+    """A born-shared array that can become a spill file as it is: its block
+    and the prefix (frame table and header) that makes it one."""
+
+    block: born.Block
+    prefix: bytes
+
+    @property
+    def size(self) -> int:
+        """Bytes of the file once sealed (header page and payload)."""
+        return _core.born_header_size() + self.block.length
+
+    @property
+    def payload(self) -> int:
+        """Bytes of the array's data: what lives in a mapping of the file."""
+        return self.block.length
+
+    def seal(self) -> str | None:
+        """Write the header in front of the block (the owner's pages are
+        private from now on); returns the file's path, or None when the
+        block is no longer the arena's to seal."""
+        return born.seal_block(self.block, self.prefix)
+
+    def hand_over(self, value: object, path: str) -> None:
+        """The sealed file now lives (also) at ``path``, a store's: the arena
+        drops its own name and no longer deletes the file (:func:`born.disown`)."""
+        born.disown(value, path, block=self.block)
 
 
-def adopt_into(store: SharedSpillStore, key: Key, value: object) -> str | None:
-    """Turn ``value``'s block into ``store``'s file for ``key`` without copying
-    its bytes: seal it (header in front, owner's pages private from now on),
-    hard-link it into the store and hand it over (:func:`disown`). Returns the
-    store's file name, accounted and marked shareable but not registered
-    for ``key`` (the caller registers or retains it), or None when ``value``
-    is not a whole born-shared numpy array whose serialized payload is the
-    block itself (the caller writes a file the ordinary way).
-
-    Also None when tier 2 has no room for the file even after moving
-    unmapped files to tier 3 (the ordinary write then goes to tier 3).
-    Raises MaxSpillExceeded when the file would take the store past its
-    ``max_weight``; OSError or ForgedHandleError if linking fails (the block
-    is then sealed but still the arena's, and the value is unchanged)."""
-    from distributed.sizeof import safe_sizeof
-
-    from dask_shm.spill_store import MaxSpillExceeded, file_stem, serialize_unsplit
+def born_file(value: object) -> BornFile | None:
+    """What makes ``value`` a spill file without copying its bytes, or None
+    when it is not a whole born-shared numpy array whose serialized payload
+    is the block itself (then it is written the ordinary way). Nothing is
+    sealed or moved yet: the caller (a store with room for
+    :attr:`BornFile.size` bytes) seals the block, links the file in and
+    hands it over."""
+    from dask_shm.spill_store import serialize_unsplit
 
     block = born.whole_block(value)
     if block is None:
@@ -48,18 +65,7 @@ def adopt_into(store: SharedSpillStore, key: Key, value: object) -> str | None:
             if len(_PREFIXES) >= _MAX_PREFIXES:
                 _PREFIXES.clear()
             _PREFIXES[kind] = prefix
-    size = _core.born_header_size() + block.length
-    if store.max_weight is not False and store.files.total()[1] + size > store.max_weight:
-        raise MaxSpillExceeded(key)
-    if not store.tiers.enforce(size):
-        return None  # no room in tier 2 even after moving files out: a tier-3 write
-    path = born.seal_block(block, prefix)
-    if path is None:
-        return None
-    name, _ = store.tiers.adopt(path, size, file_stem(key), safe_sizeof(value))
-    born.disown(value, store.files.path(name), block=block)
-    store.shareable[name] = block.length
-    return name
+    return BornFile(block, prefix)
 
 
 #: Spill-file prefixes (frame table + serialized header) of C-contiguous

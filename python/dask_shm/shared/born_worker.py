@@ -214,11 +214,13 @@ class BornSharedPlugin(WorkerPlugin):
             return
         self._directory = paths.subdir(root, f"born-{uuid.uuid4().hex[:12]}")
         budget = settings.budget_for(root, worker.memory_manager.memory_limit)
-        tier2 = buffer.store.tiers.budget
+        # Blocks live on the first tier's root and share its budget.
+        first = buffer.store.tiers.tiers[0].budget
 
         def room() -> int:
-            # Blocks and tier-2 files share the tier-2 budget.
-            return max(0, min(budget, tier2.limit - tier2.used))
+            if first is None:  # a single, unbounded tier
+                return budget
+            return max(0, min(budget, first.limit - first.used))
 
         install_on_worker(
             worker, self._directory, threshold=settings.threshold, budget=room(), budget_fn=room

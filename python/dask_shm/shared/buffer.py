@@ -3,18 +3,19 @@
 Layers, one concern each (zict style):
 
 - :class:`SharedSpillBuffer` (this module): which values are in memory
-  (``fast``, private bytes plus tier-2 bytes against ``target``, see
-  :mod:`~dask_shm.shared.charged_lru`) and which are spilled; files
+  (``fast``, private bytes plus the bytes of RAM tiers' files against
+  ``target``, see :mod:`~dask_shm.charged_lru`) and which are spilled; files
   received from peers (*arrivals*) and the values they back;
 - :class:`~dask_shm.shared.store.SharedSpillStore`: serialized values in
   files, retained while a mapped value is in memory, exported/adopted by hard link;
-- :class:`~dask_shm.shared.tiers.TieredFiles`: where each file lives, tier 2
-  (tmpfs, within a byte budget) or tier 3 (a real file system);
+- :class:`~dask_shm.shared.tiers.TieredFiles`: where each file lives, in an
+  ordered list of file tiers (by default tier 2, the tmpfs within a byte
+  budget, then tier 3, a real file system);
 - :class:`~dask_shm._core.FileStore` (Rust): one directory of files.
 
 The public error contract is :class:`dask_shm.SpillBuffer`'s. Settings are
-passed in (:meth:`SharedSpillBuffer.create`); only :meth:`from_config`, an
-edge for direct users, reads dask config.
+passed in (:meth:`SharedSpillBuffer.create`, :meth:`SharedSpillBuffer.on_tiers`);
+only :meth:`from_config`, an edge for direct users, reads dask config.
 
 Adopting an existing file as the backing of a key (for code that builds
 values directly in shared files, e.g. a numpy allocator): write the file in
@@ -31,9 +32,9 @@ import logging
 import uuid
 import weakref
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import zict
 from dask.typing import Key
@@ -44,10 +45,10 @@ from dask_shm import arrow_pool
 from dask_shm._core import ForgedHandleError, read_peer_file
 from dask_shm.config import byte_size, fraction, spill_limit
 from dask_shm.shared import limits, paths
-from dask_shm.shared.charged_lru import TmpfsChargedLRU
 from dask_shm.shared.guard import ensure_value
 from dask_shm.shared.payload import read_tracking_mapping
 from dask_shm.shared.store import Handle, SharedSpillStore, mapped_values_bound
+from dask_shm.shared.tiers import TieredFiles, TierSpec, open_tiers, tier_specs, tiers_of
 from dask_shm.spill import SpillBuffer, _Handled
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, file_stem, frames_to_object
 
@@ -100,7 +101,7 @@ class SharedSpillBuffer(SpillBuffer):
     shared = True
 
     def __init__(self, store: SharedSpillStore, target: int, *, max_mapped: int | None = None):
-        self._init_state(store.cumulative_metrics)
+        self._shared_store = store
         #: most values held in memory through a mapping of their file
         #: (default: :func:`~dask_shm.shared.store.mapped_values_bound`); may
         #: be changed at any time, it applies from the next insertion or use
@@ -111,17 +112,11 @@ class SharedSpillBuffer(SpillBuffer):
         self.shm_counters: defaultdict[str, int] = defaultdict(int)
         self._arrivals: dict[str, list[_Arrival]] = {}
         self._closed = False
-        # The shared store keeps its own weak cache of private values;
-        # mapped values need none (the kernel shares their pages).
-        zict.Buffer.__init__(self, fast={}, slow=store, n=target, weight=self._weight)
-        # The same LRU zict builds, charged for this worker's tmpfs files.
-        self.fast = TmpfsChargedLRU(
-            target,
-            {},
-            tier2_bytes=store.tiers.tier2_bytes,
-            weight=self._weight,
-            on_evict=[self.fast_to_slow],
-            on_cancel_evict=[self._cancel_evict],
+        # The shared store keeps its own weak cache of private values (mapped
+        # values need none: the kernel shares their pages); the LRU is charged
+        # for this worker's tmpfs files.
+        super().__init__(
+            None, target, store=store, weight=self._weight, charge=store.tiers.ram_bytes
         )
 
     # -- construction ------------------------------------------------------------
@@ -153,19 +148,47 @@ class SharedSpillBuffer(SpillBuffer):
         usable tmpfs, OSError if a directory cannot be made."""
         target = byte_size(target, "target")
         budget = byte_size(budget, "budget")
+        specs = tier_specs(root, disk_root)
+        return cls.on_tiers(
+            target,
+            specs,
+            {specs[0].name: budget},
+            min_size=min_size,
+            min_shared_fraction=min_shared_fraction,
+            max_spill=max_spill,
+            name=name,
+            max_mapped=max_mapped,
+        )
+
+    @classmethod
+    def on_tiers(
+        cls,
+        target: int | str,
+        specs: Sequence[TierSpec],
+        budgets: Mapping[str, int],
+        *,
+        min_size: int | str,
+        min_shared_fraction: float,
+        max_spill: int | str | Literal[False] = False,
+        name: str | None = None,
+        max_mapped: int | None = None,
+    ) -> SharedSpillBuffer:
+        """:meth:`create` on the file tiers ``specs`` (see
+        :func:`~dask_shm.shared.tiers.tier_specs`) within ``budgets`` (bytes
+        by tier name; see :func:`~dask_shm.shared.tiers.open_tiers`). Same
+        errors as :meth:`create` (UnusableRoot for a RAM tier's root that is
+        not a usable tmpfs)."""
+        target = byte_size(target, "target")
         min_size = byte_size(min_size, "min_size")
         min_shared_fraction = fraction(min_shared_fraction, "min_shared_fraction")
         max_spill = spill_limit(max_spill, "max_spill")
-        paths.check_root(root)
-        name = name or f"buffer-{uuid.uuid4().hex[:12]}"
+        for spec in specs:
+            if spec.ram:
+                paths.check_root(spec.root)
+        file_tiers = open_tiers(specs, name or f"buffer-{uuid.uuid4().hex[:12]}", budgets)
         store = SharedSpillStore(
-            paths.subdir(root, name),
-            paths.subdir(disk_root, name),
+            TieredFiles(file_tiers),
             max_spill,
-            root=root,
-            disk_root=disk_root,
-            budget=budget,
-            outgoing=(paths.subdir(root, "outgoing"), paths.subdir(disk_root, "outgoing")),
             min_size=min_size,
             min_shared_fraction=min_shared_fraction,
             metrics=defaultdict(float),
@@ -188,11 +211,11 @@ class SharedSpillBuffer(SpillBuffer):
 
         settings = SharedMemorySettings.from_config()
         budget = limits.tier2_budget(settings.max_bytes, settings.root, memory_limit)
-        return cls.create(
+        specs = tiers_of(settings)
+        return cls.on_tiers(
             target,
-            root=settings.root,
-            disk_root=settings.disk_root,
-            budget=budget.limit,
+            specs,
+            {specs[0].name: budget.limit},
             min_size=settings.min_size,
             min_shared_fraction=settings.min_shared_fraction,
             max_spill=max_spill,
@@ -205,14 +228,14 @@ class SharedSpillBuffer(SpillBuffer):
     def store(self) -> SharedSpillStore:
         """The store of this buffer's files (spilled and retained); its
         ``tiers`` tell where each file lives."""
-        return cast(SharedSpillStore, self.slow)
+        return self._shared_store
 
     def tier2_bytes(self) -> int:
         """Bytes of this buffer's tmpfs files that count for this worker (1/k
         of a file with k links), mapped or not: what it adds to the worker's
         memory beyond its private pages. O(1): a counter kept as files come
         and go, with link counts as of the last :meth:`refresh_links`."""
-        return self.store.tiers.tier2_bytes()
+        return self.store.tiers.ram_bytes()
 
     def refresh_links(self) -> int:
         """Correct the link counts behind :meth:`tier2_bytes` that other
@@ -344,21 +367,23 @@ class SharedSpillBuffer(SpillBuffer):
 
     # -- same-host transfers -----------------------------------------------------
 
-    def export(self, key: Key, tiers: Collection[int] = (2, 3)) -> Handle | None:
+    def export(self, key: Key, tiers: Collection[int] | None = None) -> Handle | None:
         """Make sure ``key`` is in a file and return a handle for a peer on
         this host (a fresh hard link the caller deletes once the peer has
         linked it). A value held privately in memory is written out and
         leaves memory (its next use maps the file). Returns None when the
         key is absent, the value is not worth sharing, its file is in a tier
-        not in ``tiers`` (the peer does not share that root; a value in memory
-        is written out only when it can share tier 2), or writing/linking
-        fails (the caller then sends bytes)."""
+        whose number is not in ``tiers`` (default: any linkable tier; the peer
+        does not share that root; a value in memory is written out only when
+        it can share the first tier), or writing/linking fails (the caller
+        then sends bytes)."""
         with self._operation_lock:
             store = self.store
             with self.lock:
                 try:
                     if store.file_of(key) is None:
-                        if key not in self.fast or 2 not in tiers:
+                        first = store.tiers.tiers[0].number
+                        if key not in self.fast or (tiers is not None and first not in tiers):
                             return None
                         store[key] = self.fast.d[key]
                         del self.fast[key]
@@ -434,10 +459,8 @@ class SharedSpillBuffer(SpillBuffer):
         return value
 
     def _copy_in(self, handle: Handle, e: OSError) -> object:
-        root = next(
-            (r for r in self.store.tiers.roots if handle.path.startswith(r.rstrip("/") + "/")),
-            self.store.root,
-        )
+        files = self.store.tiers
+        root = files.tiers[files.index_named(handle.path)].root
         self._count_fallback(handle, e)
         return frames_to_object(read_peer_file(root, handle.path, handle.size))
 

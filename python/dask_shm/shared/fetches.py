@@ -60,7 +60,7 @@ def receive_fetches_into(
     worker: Worker, buffer: SharedSpillBuffer, registry: PeerRegistry, tokens: dict[int, str]
 ) -> Any:
     """Wrap ``worker.gather_dep`` as described above; returns the original.
-    ``tokens`` are the identity tokens of ``buffer``'s tiers (2, 3)."""
+    ``tokens`` are the identity tokens of ``buffer``'s linkable tiers, by number."""
     original = worker.gather_dep
 
     async def gather_dep(peer: str, to_gather: Collection[Key], *args: Any, **kwargs: Any) -> Any:
@@ -136,9 +136,9 @@ def _refuse(
 
 
 def _tier_named(buffer: SharedSpillBuffer, path: str) -> int:
-    """The tier whose root a handle's ``path`` claims to be under."""
-    disk_root = buffer.store.tiers.roots[1]
-    return 3 if path.startswith(disk_root.rstrip("/") + "/") else 2
+    """The number of the tier whose root a handle's ``path`` claims to be under."""
+    files = buffer.store.tiers
+    return files.tiers[files.index_named(path)].number
 
 
 def _exception_of(event: GatherDepFailureEvent) -> BaseException | None:

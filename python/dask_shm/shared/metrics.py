@@ -30,6 +30,8 @@ from dask_shm.config import prometheus_namespace
 if TYPE_CHECKING:
     from distributed import Worker
 
+    from dask_shm.shared.tiers import TieredFiles
+
 #: Counters a shared-mode SpillBuffer keeps (``shm_counters``).
 COUNTERS = (
     "link_transfers",
@@ -85,10 +87,7 @@ def shm_metrics(dask_worker: Worker) -> dict[str, float]:
         return out
     store = data.store
     out["memory_bytes"] = float(data.fast.total_weight)
-    out["shared_bytes"] = float(data.tier2_bytes())
-    out["disk_bytes"] = float(store.tiers.disk.total()[1])
-    out["tier2_budget"] = float(store.tiers.budget.limit)
-    out["tier3_moves"] = float(store.tiers.moves)
+    out.update(tier_figures(store.tiers))
     out["retained_keys"] = float(len(store.retained))
     out["degraded_reads"] = float(store.degraded_reads)
     for name in COUNTERS:
@@ -99,6 +98,21 @@ def shm_metrics(dask_worker: Worker) -> dict[str, float]:
     # nbytes; a link's file size may differ a little from that.
     sent = float(getattr(dask_worker, "transfer_outgoing_bytes_total", 0))
     out["tcp_bytes"] = max(sent - out["link_bytes"], 0.0)
+    return out
+
+
+def tier_figures(files: TieredFiles) -> dict[str, float]:
+    """Per file tier: ``<name>_bytes`` (its files' bytes that count for this
+    worker, 1/k of a file with k links), ``tier<n>_budget`` for a tier with a
+    budget and ``tier<n>_moves`` (files moved into it) for every tier after
+    the first."""
+    out = {}
+    for index, tier in enumerate(files.tiers):
+        out[f"{tier.name}_bytes"] = float(tier.store.total()[1])
+        if tier.budget is not None:
+            out[f"tier{tier.number}_budget"] = float(tier.budget.limit)
+        if index > 0:
+            out[f"tier{tier.number}_moves"] = float(files.moved_in[tier.name])
     return out
 
 

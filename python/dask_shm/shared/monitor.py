@@ -74,7 +74,7 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
         return w is not None and w.status not in _CLOSED
 
     publisher = SharePublisher(
-        share_path(buffer.store.directory), tiers.tier2_bytes, tiers.refresh_links, alive=alive
+        share_path(buffer.store.directory), tiers.ram_bytes, tiers.refresh_links, alive=alive
     )
     publisher.start()
     _publishers[worker] = publisher

@@ -7,6 +7,7 @@ import logging
 import shutil
 import sys
 import uuid
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from dask.utils import format_bytes
@@ -27,6 +28,7 @@ from dask_shm.shared import (
 from dask_shm.shared.buffer import SharedSpillBuffer
 from dask_shm.shared.registry import PeerRegistry
 from dask_shm.shared.sender import install_get_data
+from dask_shm.shared.tiers import FileTier, TierSpec, tiers_of
 
 if TYPE_CHECKING:
     from distributed import Nanny, Worker
@@ -77,7 +79,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         # Before the budget, which is capped by the root's free space: what
         # dead processes left there is not taken. O(their files): in a thread,
         # off the event loop (an in-process cluster shares it with the client).
-        await asyncio.to_thread(reclaim_dead_processes, root, settings.disk_root)
+        await asyncio.to_thread(reclaim_dead_processes, tiers_of(settings, root))
         if isinstance(worker.data, SharedSpillBuffer):  # set up meanwhile
             return
         self._install(worker, settings, born_settings, root)
@@ -105,12 +107,12 @@ class SharedMemoryPlugin(WorkerPlugin):
         )
         target = target_from_config(memory_limit) or sys.maxsize
         try:
-            # The one check of the root (create raises UnusableRoot).
-            buffer = SharedSpillBuffer.create(
+            # The one check of the root (on_tiers raises UnusableRoot).
+            specs = tiers_of(settings, root)
+            buffer = SharedSpillBuffer.on_tiers(
                 target,
-                root=root,
-                disk_root=settings.disk_root,
-                budget=budget.limit,
+                specs,
+                {specs[0].name: budget.limit},
                 min_size=settings.min_size,
                 min_shared_fraction=settings.min_shared_fraction,
                 max_spill=worker.memory_manager.max_spill,
@@ -124,7 +126,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         install_spill_buffer(worker, buffer)
         self._buffer = buffer
         self._registry = PeerRegistry(root)
-        tokens = _root_tokens(root, settings.disk_root)
+        tokens = _root_tokens(buffer.store.tiers.tiers)
         self._original_gather_dep = fetches.receive_fetches_into(
             worker, buffer, self._registry, tokens
         )
@@ -133,9 +135,10 @@ class SharedMemoryPlugin(WorkerPlugin):
         )
         transfer.enable_receiving(buffer)
         self._original_get_data = install_get_data(worker, buffer, self._registry, tokens)
-        if 2 in tokens:
+        first = buffer.store.tiers.tiers[0].number
+        if first in tokens:
             try:
-                if not p2p.enable(worker.address, buffer, self._registry, root, tokens[2]):
+                if not p2p.enable(worker.address, buffer, self._registry, root, tokens[first]):
                     logger.info("dask-shm: P2P shard batches go as bytes (see dask shm info)")
             except OSError as e:
                 logger.info("dask-shm: P2P shard batches go as bytes: %s", e)
@@ -147,13 +150,12 @@ class SharedMemoryPlugin(WorkerPlugin):
         self._born.setup(worker)
         # The worker's one INFO line about dask-shm: everything set up above.
         logger.info(
-            "dask-shm: shared-memory mode on %s: root %s, budget %s (%s); tier 2 %s, tier 3 %s; %s",
+            "dask-shm: shared-memory mode on %s: root %s, budget %s (%s); %s; %s",
             worker.address,
             root,
             format_bytes(budget.limit),
             budget.reason,
-            buffer.store.directory,
-            buffer.store.tiers.disk.directory,
+            ", ".join(f"tier {t.number} {t.directory}" for t in buffer.store.tiers.tiers),
             self._born.state,
         )
 
@@ -174,12 +176,12 @@ class SharedMemoryPlugin(WorkerPlugin):
         if transfer.receiver() is buffer:
             transfer.enable_receiving(None)
         buffer.close()
-        shutil.rmtree(buffer.store.directory, ignore_errors=True)
-        shutil.rmtree(buffer.store.tiers.disk.directory, ignore_errors=True)
+        for tier in buffer.store.tiers.tiers:
+            shutil.rmtree(tier.directory, ignore_errors=True)
         # A clean close leaves nothing: the process directories go too once
         # no other buffer of this process uses them (their locks are dropped).
-        paths.release_process_dir(buffer.store.root)
-        paths.release_process_dir(buffer.store.tiers.roots[1])
+        for tier in buffer.store.tiers.tiers:
+            paths.release_process_dir(tier.root)
 
 
 _warned_small_root = False
@@ -197,16 +199,20 @@ def _warn_small_root(root: str, budget: limits.Budget) -> None:
         )
 
 
-def _root_tokens(root: str, disk_root: str) -> dict[int, str]:
-    """The identity tokens of the two tiers' roots (see
+def _root_tokens(tiers: Iterable[FileTier]) -> dict[int, str]:
+    """The identity tokens of the linkable tiers' roots, by tier number (see
     :mod:`~dask_shm.shared.root_id`); a tier whose token cannot be made is
     left out (its files then always go to peers as bytes)."""
     tokens = {}
-    for tier, path in ((2, root), (3, disk_root)):
+    for tier in tiers:
+        if not tier.linkable:
+            continue
         try:
-            tokens[tier] = root_id.root_token(path)
+            tokens[tier.number] = root_id.root_token(tier.root)
         except OSError as e:
-            logger.info("dask-shm: no identity token for %s (%s); its files go as bytes", path, e)
+            logger.info(
+                "dask-shm: no identity token for %s (%s); its files go as bytes", tier.root, e
+            )
     return tokens
 
 
@@ -224,42 +230,47 @@ class SharedMemoryNannyPlugin(NannyPlugin):
 
     def __init__(self, root: str | None = None):
         self.root = root
-        #: (tier-2 root or None if unusable, tier-3 root) once set up; the
-        #: teardown sweeps those (nothing if the setup failed on the config).
-        self._roots: tuple[str | None, str] | None = None
+        #: the tiers whose roots are swept, once set up (a first tier whose
+        #: root is unusable left out); nothing if the setup failed on the config
+        self._tiers: list[TierSpec] | None = None
 
-    def _usable(self, root: str) -> str | None:
+    def _usable(self, root: str) -> bool:
         try:
             paths.check_root(root)
         except paths.UnusableRoot:
-            return None
-        return root
+            return False
+        return True
 
     async def _sweep(self) -> None:
         # O(files) of dead processes: in a thread, so that the nanny's event
         # loop (in a LocalCluster also the scheduler's and the client's) runs on.
-        if self._roots is not None:
-            await asyncio.to_thread(reclaim_dead_processes, *self._roots)
+        if self._tiers is not None:
+            await asyncio.to_thread(reclaim_dead_processes, self._tiers)
 
     async def setup(self, nanny: Nanny) -> None:
         settings = SharedMemorySettings.from_config()
-        self._roots = (self._usable(self.root or settings.root), settings.disk_root)
+        specs = tiers_of(settings, self.root)
+        # A RAM tier on an unusable root is left alone (its worker says why).
+        self._tiers = [t for t in specs if not t.ram or self._usable(t.root)]
         await self._sweep()
-        monitor.install_nanny_monitor(nanny, self._roots[0])
+        # The worker publishes its share of its tmpfs files next to the registry.
+        monitor.install_nanny_monitor(
+            nanny, next((t.root for t in self._tiers if t.registry), None)
+        )
 
     async def teardown(self, nanny: Nanny) -> None:
         await self._sweep()
 
 
-def reclaim_dead_processes(root: str | None, disk_root: str) -> int:
-    """Remove the directories of dead processes on the shared-memory root
-    (unless None: unusable) and on the tier-3 root, as a worker or nanny
-    starting there does; returns the bytes given back. A root that cannot be
-    swept is logged, not raised: it does not stop a server from starting."""
+def reclaim_dead_processes(tiers: Iterable[TierSpec]) -> int:
+    """Remove the directories of dead processes on the roots of ``tiers``
+    (and the peer registry's dead entries on the one that holds it), as a
+    worker or nanny starting there does; returns the bytes given back. A
+    root that cannot be swept is logged, not raised: it does not stop a
+    server from starting."""
     freed = 0
-    for where, peers in ((root, True), (disk_root, False)):
-        if where is None:
-            continue
+    for tier in tiers:
+        where, peers = tier.root, tier.registry
         try:
             freed += paths.reclaim(where, peers=peers).bytes
         except paths.UnusableRoot as e:

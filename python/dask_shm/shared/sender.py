@@ -112,7 +112,7 @@ def install_get_data(
     root_tokens: dict[int, str],
 ) -> GetData:
     """Wrap ``worker``'s get_data handler; returns the handler it replaced.
-    ``root_tokens`` maps each tier (2, 3) of ``buffer`` to its root's identity
+    ``root_tokens`` maps each tier number of ``buffer`` to its root's identity
     token (a tier without one is never handed over).
 
     The wrapper shows the replaced handler's signature (``functools.wraps``)

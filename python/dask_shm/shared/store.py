@@ -25,7 +25,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Literal
 
 import msgpack
 from dask.typing import Key
@@ -33,11 +33,17 @@ from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm import arrow_pool
-from dask_shm._core import FileStore, SpillFileError, live_mappings
+from dask_shm._core import SpillFileError, live_mappings
 from dask_shm.shared import born, born_store, dirty, integrity
 from dask_shm.shared.payload import read_tracking_mapping, worth_sharing
 from dask_shm.shared.tiers import TieredFiles
-from dask_shm.spill_store import PickleError, SpillStore, file_stem, serialize_unsplit
+from dask_shm.spill_store import (
+    MaxSpillExceeded,
+    PickleError,
+    SpillStore,
+    file_stem,
+    serialize_unsplit,
+)
 from dask_shm.sysctl import max_map_count
 
 
@@ -97,35 +103,23 @@ class SharedSpillStore(SpillStore):
 
     def __init__(
         self,
-        spill_directory: str,
-        disk_directory: str,
+        tiers: TieredFiles,
         max_weight: int | Literal[False] = False,
         *,
-        root: str,
-        disk_root: str,
-        budget: int,
-        outgoing: tuple[str, str],
         min_size: int,
         min_shared_fraction: float,
         metrics: defaultdict[tuple[str, str], float] | None = None,
     ):
-        """Files go to ``spill_directory`` (tier 2, under the tmpfs ``root``)
-        up to ``budget`` bytes, the rest to ``disk_directory`` (tier 3, under
-        ``disk_root`` on a real file system); ``outgoing`` are the two tiers'
-        directories for links handed to peers. Raises OSError if a
-        directory cannot be made."""
-        super().__init__(spill_directory, max_weight, metrics=metrics, mapped=True)
-        self.root = root
+        """Files go to ``tiers`` (see :mod:`dask_shm.shared.tiers`), at most
+        ``max_weight`` bytes in all; a value is shared (unspilled through a
+        mapping, handed to peers by link) when its payload is at least
+        ``min_size`` bytes and ``min_shared_fraction`` of its file."""
+        super().__init__(tiers, max_weight, metrics=metrics, mapped=True)
         #: where each file lives (see :mod:`dask_shm.shared.tiers`)
-        self.tiers = TieredFiles(
-            self.files,
-            FileStore(disk_directory),
-            budget,
-            roots=(root, disk_root),
-            outgoing=outgoing,
-        )
-        self.files = cast(Any, self.tiers)
-        self.tiers.on_moved = self._moved
+        self.tiers = tiers
+        #: the first tier's root (the shared-memory root)
+        self.root = tiers.tiers[0].root
+        tiers.on_moved = self._moved
         self.min_size = min_size
         self.min_shared_fraction = min_shared_fraction
         #: file name -> shareable bytes, for files worth sharing
@@ -157,7 +151,7 @@ class SharedSpillStore(SpillStore):
         # An array born shared is already in a file: only its header is written.
         with context_meter.add_callback(self._record):
             with context_meter.meter("disk-write", "seconds"):
-                name = born_store.adopt_into(self, key, value)
+                name = self.adopt_born(key, value)
             if name is not None:
                 context_meter.digest_metric("disk-write", 1, "count")
                 context_meter.digest_metric("disk-write", born.header_size(), "bytes")
@@ -179,8 +173,37 @@ class SharedSpillStore(SpillStore):
         self._private_cache.pop(key, None)
         self._register(key, name)
 
+    def adopt_born(self, key: Key, value: object) -> str | None:
+        """Turn ``value``'s block into this store's file for ``key`` without
+        copying its bytes: seal it (header in front, owner's pages private
+        from now on), hard-link it in and hand it over (see
+        :mod:`~dask_shm.shared.born_store`). Returns the file name, accounted
+        and marked shareable but not registered for ``key`` (the caller
+        registers or retains it), or None when ``value`` is not a whole
+        born-shared numpy array whose serialized payload is the block itself,
+        or when the first tier has no room for the file even after moving
+        unmapped files down (the caller then writes a file the ordinary way).
+        Raises MaxSpillExceeded when the file would take the store past its
+        ``max_weight``; OSError or ForgedHandleError if linking fails (the
+        block is then sealed but still the arena's, and the value is unchanged)."""
+        found = born_store.born_file(value)
+        if found is None:
+            return None
+        size = found.size
+        if self.max_weight is not False and self.files.total()[1] + size > self.max_weight:
+            raise MaxSpillExceeded(key)
+        if not self.tiers.enforce(size):
+            return None  # no room in the first tier even after moving files down
+        path = found.seal()
+        if path is None:
+            return None
+        name, _ = self.tiers.adopt(path, size, file_stem(key), safe_sizeof(value))
+        found.hand_over(value, self.files.path(name))
+        self.shareable[name] = found.payload
+        return name
+
     def _moved(self, name: str, path: str) -> None:
-        """File ``name`` was copied to tier 3 (a new inode at ``path``): it is
+        """File ``name`` was copied to a later tier (a new inode at ``path``): it is
         read-only like every file of ours, and checked against its new
         fingerprint from now on. Raises OSError (the old fingerprint is
         dropped then: the file is not checked rather than wrongly refused)."""
@@ -236,7 +259,7 @@ class SharedSpillStore(SpillStore):
         try:
             path = str(self.files.path(name))
             if not os.path.lexists(path):
-                # Gone for a reason of ours (unspilled, moved to tier 3) meanwhile?
+                # Gone for a reason of ours (unspilled, moved down a tier) meanwhile?
                 if self.filenames.get(key) != name or str(self.files.path(name)) != path:
                     return
                 raise SpillFileError(f"the spilled file of key {key!r} ({path}) vanished")
@@ -250,13 +273,14 @@ class SharedSpillStore(SpillStore):
         """Keep a file backing ``value`` (in memory) for ``key``: by default
         the file ``key`` is spilled in, which leaves the store; or an adopted
         file ``name``. Its memory accounting drops to the shared bytes (none
-        for a tier-3 file)."""
+        for a file of a tier that is not RAM)."""
         if name is None:
             name = self.filenames.pop(key)
         memory, _ = self.files.sizes(name)
-        # A mapping of a tier-3 file is page cache the process's RSS counts
-        # (RssFile), so such a value weighs its full size, like a private one.
-        shareable = self.shareable.get(name, 0) if self.tiers.tier_of(name) == 2 else 0
+        # A mapping of a file on a real file system is page cache the process's
+        # RSS counts (RssFile), so such a value weighs its full size, like a
+        # private one.
+        shareable = self.shareable.get(name, 0) if self.tiers.holding(name).ram else 0
         self.retained[key] = Retained(name, id(value), memory, shareable)
         self.files.set_memory(name, min(shareable, memory))
         self.tiers.pin(name)
@@ -315,10 +339,11 @@ class SharedSpillStore(SpillStore):
 
     # -- hand-over between stores ------------------------------------------------
 
-    def export(self, key: Key, tiers: Collection[int] = (2, 3)) -> Handle | None:
+    def export(self, key: Key, tiers: Collection[int] | None = None) -> Handle | None:
         """A new hard link to ``key``'s file in its tier's outgoing directory,
         for a peer to adopt; None when the value is not worth sharing or its
-        file is in a tier not in ``tiers``. The caller deletes the link once
+        file is in a tier whose number is not in ``tiers`` (default: any
+        linkable tier). The caller deletes the link once
         the peer has it. Raises OSError when the link cannot be made (EMLINK,
         ...), SpillFileError when the file was tampered with."""
         name = self.file_of(key)

@@ -1,30 +1,38 @@
-"""Tier 2 (tmpfs) over tier 3 (a real file system), behind one FileStore face.
+"""The file tiers after private memory: an ordered list behind one FileStore face.
 
-:class:`TieredFiles` has the methods of :class:`~dask_shm._core.FileStore`
-that the spill stores use, so :class:`~dask_shm.shared.store.SharedSpillStore`
-does not know there are two tiers. Its one concern is *where* a file lives:
+A worker's values live in private memory (tier 1), then in file tiers,
+fastest first. :func:`tier_specs` is the one place that lists them (by
+default the shared-memory tmpfs, tier 2, within a byte budget, then a
+directory on a real file system, tier 3, unbounded); :func:`open_tiers`
+makes a buffer's :class:`FileTier` of each, and :class:`TieredFiles` puts
+them behind the methods of :class:`~dask_shm._core.FileStore` that the spill
+stores use (the :class:`~dask_shm.spill_store.SpillFiles` protocol), so
+:class:`~dask_shm.shared.store.SharedSpillStore` does not know how many tiers
+there are. Its one concern is *where* a file lives:
 
-- ``put`` writes to tier 2 while the :class:`~dask_shm._core.TierBudget`
-  allows; what does not fit is written straight to tier 3, and so is
-  everything once the tmpfs reported ENOSPC (the budget shrinks to what is
-  in tier 2 then). Nothing is kept in memory because the tmpfs is full.
-- when tier 2 is over its budget (files that were mapped by values in
-  memory are released, the budget shrank), the least recently used files
-  that no value maps (unpinned) move to tier 3.
+- ``put`` writes to the first tier whose budget allows (the last tier has
+  none); a tier that reported ENOSPC or EDQUOT is *full*: its budget shrinks
+  to what it holds and new files go past it. Nothing is kept in memory
+  because a tier is full.
+- when a tier is over its budget (files that were mapped by values in
+  memory are released, the budget shrank), its least recently used files
+  that no value maps (unpinned) move to the next tier, and so on down.
 - a move copies the file in Rust with the GIL released
   (:func:`~dask_shm._core.move_entry`); the entry keeps its name here, so
   callers never see it move (except the owner's :attr:`TieredFiles.on_moved`
   hook: the copy is a new file, to be sealed and fingerprinted again).
-- tier-3 files are read and mapped (``MAP_PRIVATE``) like tier-2 ones, and
-  linked out to same-host peers on their file system; their page cache is the
-  one shared copy, which the kernel can reclaim under pressure.
+- files of every tier are read and mapped (``MAP_PRIVATE``) alike, and those
+  of a linkable tier are linked out to same-host peers on its file system; a
+  non-RAM tier's page cache is the one shared copy, which the kernel can
+  reclaim under pressure.
 
-A file received from a peer counts in the budget at this holder's share
-(size / holders when it arrives), as it does in the memory accounting.
+A file received from a peer counts in its tier's budget at this holder's
+share (size / holders when it arrives), as it does in the memory accounting.
 
-Names: tier-2 entries use the tier-2 store's names; entries written to or
-adopted into tier 3 directly are ``3:<name>`` (``:`` never occurs in a
-store name, see ``spill_store.file_stem``); moved entries keep their tier-2 name.
+Names: first-tier entries use that tier's store's names; entries written to
+or adopted into a later tier directly are ``<tier number>:<name>`` (``:``
+never occurs in a store name, see ``spill_store.file_stem``); moved entries
+keep their name.
 """
 
 from __future__ import annotations
@@ -34,16 +42,125 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Iterable
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from dask_shm._core import FileStore, TierBudget, move_entry
+from dask_shm.shared import paths
 
 logger = logging.getLogger(__name__)
 
 #: per-file overhead of the spill format (header, alignment), an upper bound
 #: used only to decide where a file goes before it is written
 _FRAME_OVERHEAD = 128
+
+#: number of the first file tier (tier 1 is private memory)
+FIRST_FILE_TIER = 2
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """Where a file tier lives and what its files are, from settings.
+
+    ``name`` names its figures (``<name>_bytes`` in the worker's metrics);
+    ``ram``: its files are RAM (a tmpfs): they count in the worker's memory
+    and a value mapping one costs only its private bytes; ``linkable``: its
+    files may be handed to same-host peers by hard link (its root then gets
+    an identity token); ``registry``: its root also holds the peer registry
+    (swept with the dead processes' directories)."""
+
+    name: str
+    root: str
+    ram: bool
+    linkable: bool = True
+    registry: bool = False
+    #: bytes it may hold, when fixed by settings (a budget given to
+    #: :func:`open_tiers`, such as the worker's tmpfs budget, takes precedence)
+    budget: int | None = None
+
+
+class _Roots(Protocol):
+    """The settings :func:`tiers_of` reads (``SharedMemorySettings``)."""
+
+    @property
+    def root(self) -> str: ...
+    @property
+    def disk_root(self) -> str: ...
+
+
+def tier_specs(root: str, disk_root: str) -> list[TierSpec]:
+    """The file tiers, fastest first, from the ``shm.shared-memory`` roots:
+    the shared-memory tmpfs ``root`` (tier 2), then ``disk_root`` on a real
+    file system (tier 3). A new tier is a new entry here and in
+    :func:`tiers_of` (its root and budget new settings) plus, if it is not a
+    directory of files, its store in :func:`open_tiers`."""
+    return [
+        TierSpec("shared", root, ram=True, registry=True),
+        TierSpec("disk", disk_root, ram=False),
+    ]
+
+
+def tiers_of(settings: _Roots, root: str | None = None) -> list[TierSpec]:
+    """:func:`tier_specs` of parsed ``shm.shared-memory`` settings, with
+    ``root`` (if given) in place of ``settings.root``: what the plugins, ``dask
+    shm info`` and ``dask shm clean`` use, so that a tier's new settings reach
+    them all from here."""
+    return tier_specs(root or settings.root, settings.disk_root)
+
+
+@dataclass(frozen=True)
+class FileTier:
+    """One file tier of a buffer: its files in ``store`` (a directory under
+    ``root``), links for peers in ``outgoing`` (same file system), at most
+    ``budget`` bytes (None: unbounded, the last tier). ``number`` is its
+    place (2 for the first file tier); the rest as in :class:`TierSpec`."""
+
+    name: str
+    number: int
+    root: str
+    store: FileStore
+    outgoing: str
+    budget: TierBudget | None
+    ram: bool
+    linkable: bool
+
+    @property
+    def directory(self) -> str:
+        return str(self.store.directory)
+
+
+def open_tiers(
+    specs: Sequence[TierSpec], buffer_name: str, budgets: Mapping[str, int]
+) -> list[FileTier]:
+    """A buffer's tiers: for each spec, the store
+    ``<root>/dask-shm-<uid>/<process>/<buffer_name>`` and the outgoing
+    directory next to it, within ``budgets[spec.name]`` bytes, else
+    ``spec.budget`` (neither: unbounded; only the last may be, and must be).
+    Raises ValueError for a budget on the last tier or none on another,
+    OSError if a directory cannot be made."""
+    if not specs:
+        raise ValueError("at least one file tier is needed")
+    limits = {s.name: budgets.get(s.name, s.budget) for s in specs}
+    if limits[specs[-1].name] is not None:
+        raise ValueError(f"the last tier ({specs[-1].name}) takes what the others do not fit")
+    unbounded = [s.name for s in specs[:-1] if limits[s.name] is None]
+    if unbounded:
+        raise ValueError(f"tier(s) {', '.join(unbounded)} need a budget")
+    return [
+        FileTier(
+            name=spec.name,
+            number=FIRST_FILE_TIER + i,
+            root=spec.root,
+            # no recycling: files are mapped
+            store=FileStore(paths.subdir(spec.root, buffer_name)),
+            outgoing=paths.subdir(spec.root, "outgoing"),
+            budget=None if (limit := limits[spec.name]) is None else TierBudget(limit),
+            ram=spec.ram,
+            linkable=spec.linkable,
+        )
+        for i, spec in enumerate(specs)
+    ]
 
 
 def _is_full(e: OSError) -> bool:
@@ -68,124 +185,144 @@ def _real_path(path: str) -> str:
 
 
 class TieredFiles:
-    """Entries in tier 2 (``tmpfs``) up to ``budget`` bytes, the rest in
-    tier 3 (``disk``). Thread-safe (its state changes under one lock).
+    """Entries in ``tiers``, fastest first, each within its budget (the last
+    takes the rest). Thread-safe (its state changes under one lock).
 
-    Parameters
-    ----------
-    tmpfs, disk:
-        The two stores (``disk`` must not recycle files: they are mapped).
-    budget:
-        Bytes of tier-2 files to keep at most (files pinned by mapped values
-        may exceed it; they move once unpinned).
-    roots:
-        ``(tier-2 root, tier-3 root)``: the directories peers' handles are
-        validated against when adopting their files.
-    outgoing:
-        ``(tier-2 dir, tier-3 dir)`` for links handed to peers; each on its tier's
-        file system.
+    ``tiers`` come from :func:`open_tiers`; their stores must not recycle
+    files (they are mapped).
     """
 
-    def __init__(
-        self,
-        tmpfs: FileStore,
-        disk: FileStore,
-        budget: int,
-        *,
-        roots: tuple[str, str],
-        outgoing: tuple[str, str],
-    ):
-        self.tmpfs = tmpfs
-        self.disk = disk
-        self.budget = TierBudget(budget)
-        self.roots = roots
-        self.outgoing = outgoing
+    def __init__(self, tiers: Sequence[FileTier]):
+        if not tiers or tiers[-1].budget is not None:
+            raise ValueError("the last tier must be unbounded")
+        #: the file tiers, fastest first
+        self.tiers: tuple[FileTier, ...] = tuple(tiers)
+        self._first = self.tiers[0]
+        # ram_bytes runs at every eviction decision of the charged LRU
+        self._ram_stores = [t.store for t in self.tiers if t.ram]
         self._lock = threading.RLock()
-        #: name here -> name in ``disk``, for every tier-3 entry
-        self._in_disk: dict[str, str] = {}
+        #: name here -> (index in ``tiers``, name in its store), for every
+        #: entry not in the first tier
+        self._placed: dict[str, tuple[int, str]] = {}
+        #: files moved to a later tier, and their bytes
         self.moves = 0
         self.moved_bytes = 0
-        self.direct_to_disk = 0
-        self.tmpfs_full = False
-        #: called as ``on_moved(name, new path)`` after an entry moved to tier 3
-        #: (the file there is a new inode: its owner re-seals and re-fingerprints it)
+        #: tier name -> files moved into it
+        self.moved_in: dict[str, int] = {t.name: 0 for t in self.tiers}
+        #: new files written past the first tier (it had no room)
+        self.overflow_writes = 0
+        #: names of the tiers that reported ENOSPC/EDQUOT (their budget shrank)
+        self.full: set[str] = set()
+        #: called as ``on_moved(name, new path)`` after an entry moved to a later
+        #: tier (the file there is a new inode: its owner re-seals and
+        #: re-fingerprints it)
         self.on_moved: Callable[[str, str], None] | None = None
 
     # -- where things are --------------------------------------------------------
 
-    def _locate(self, name: str) -> tuple[FileStore, str]:
-        inner = self._in_disk.get(name)
-        if inner is not None:
-            return self.disk, inner
-        return self.tmpfs, name
-
-    def tier_of(self, name: str) -> int:
-        """2 or 3; KeyError for an unknown entry."""
-        if name in self._in_disk:
-            return 3
-        if name in self.tmpfs:
-            return 2
+    def tier(self, name: str) -> FileTier:
+        """The tier called ``name``; KeyError if there is none."""
+        for t in self.tiers:
+            if t.name == name:
+                return t
         raise KeyError(name)
 
-    def tier2_bytes(self) -> int:
-        """Bytes of tier-2 files that count for this store (1/k of a file
-        with k hard links): what this worker holds in the tmpfs. O(1); link
+    def _locate(self, name: str) -> tuple[int, str]:
+        """(index of the tier holding entry ``name``, its name in that store)."""
+        return self._placed.get(name) or (0, name)
+
+    def _entry_name(self, index: int, inner: str) -> str:
+        return inner if index == 0 else f"{self.tiers[index].number}:{inner}"
+
+    def tier_of(self, name: str) -> int:
+        """The number of the tier holding entry ``name`` (2 for the first
+        file tier); KeyError for an unknown entry."""
+        return self.holding(name).number
+
+    def holding(self, name: str) -> FileTier:
+        """The tier holding entry ``name``; KeyError for an unknown entry."""
+        placed = self._placed.get(name)
+        if placed is not None:
+            return self.tiers[placed[0]]
+        if name in self._first.store:
+            return self._first
+        raise KeyError(name)
+
+    def ram_bytes(self) -> int:
+        """Bytes of RAM tiers' files that count for this store (1/k of a file
+        with k hard links): what this worker holds in tmpfs files. O(1); link
         counts that peers changed are seen after :meth:`refresh_links`."""
-        return int(self.tmpfs.total()[1])
+        return sum([int(store.total()[1]) for store in self._ram_stores])
 
     def refresh_links(self) -> int:
-        """Correct the link counts of both tiers' shared files (O(shared
+        """Correct the link counts of every tier's shared files (O(shared
         files), the GIL released: for a background thread); returns how
         many changed."""
-        return int(self.tmpfs.refresh_links()) + int(self.disk.refresh_links())
+        return sum(int(t.store.refresh_links()) for t in self.tiers)
 
     # -- moving ------------------------------------------------------------------
 
-    def _move(self, name: str) -> bool:
-        """Move tier-2 entry ``name`` to tier 3; False (logged) if it failed."""
+    def _move(self, name: str, index: int) -> bool:
+        """Move entry ``name`` from tier ``index`` to the next; False (logged)
+        if it failed."""
+        src, dst = self.tiers[index], self.tiers[index + 1]
+        _, inner = self._locate(name)
+        assert src.budget is not None
         try:
-            inner, disk = move_entry(self.tmpfs, name, self.disk)
+            moved, disk = move_entry(src.store, inner, dst.store)
         except (KeyError, OSError) as e:
-            logger.warning("dask-shm: could not move %s to tier 3: %s", name, e)
-            self.budget.remove(name)
+            logger.warning("dask-shm: could not move %s to tier %d: %s", name, dst.number, e)
+            src.budget.remove(name)
             return False
-        self.budget.remove(name)
-        self._in_disk[name] = inner
+        src.budget.remove(name)
+        if dst.budget is not None:
+            dst.budget.add(name, disk)
+        self._placed[name] = (index + 1, moved)
         self.moves += 1
         self.moved_bytes += disk
+        self.moved_in[dst.name] += 1
         if self.on_moved is not None:
             try:
-                self.on_moved(name, str(self.disk.path(inner)))
+                self.on_moved(name, str(dst.store.path(moved)))
             except OSError as e:
                 logger.warning("dask-shm: could not seal %s after its move: %s", name, e)
         return True
 
     def enforce(self, incoming: int = 0) -> bool:
-        """Move unpinned least recently used files to tier 3 until tier 2 is
-        within its budget with room for ``incoming`` bytes; returns whether
-        that room exists."""
+        """Move unpinned least recently used files down the tiers until each
+        is within its budget, the first with room for ``incoming`` bytes;
+        returns whether that room exists."""
         with self._lock:
-            victims, fits = self.budget.plan(incoming)
-            for name in victims:
-                self._move(name)
+            fits = True
+            for index, tier in enumerate(self.tiers[:-1]):
+                assert tier.budget is not None
+                victims, room = tier.budget.plan(incoming if index == 0 else 0)
+                if index == 0:
+                    fits = room
+                for name in victims:
+                    self._move(name, index)
             return fits
 
     def pin(self, name: str) -> None:
         """A value in memory maps ``name``'s file: it stays where it is."""
         with self._lock:
-            self.budget.pin(name)
+            budget = self.tiers[self._locate(name)[0]].budget
+            if budget is not None:
+                budget.pin(name)
 
     def unpin(self, name: str) -> None:
         """No value maps ``name`` any longer; it may move (now, if over budget)."""
         with self._lock:
-            self.budget.unpin(name)
+            budget = self.tiers[self._locate(name)[0]].budget
+            if budget is not None:
+                budget.unpin(name)
             self.enforce()
 
     # -- the FileStore face ----------------------------------------------------
 
     @property
     def directory(self) -> str:
-        return str(self.tmpfs.directory)
+        return self._first.directory
 
     @property
     def pooled(self) -> tuple[int, int]:
@@ -194,123 +331,153 @@ class TieredFiles:
     def put(
         self, stem: str, frames: Iterable[Any], memory: int, max_disk: int | None = None
     ) -> tuple[str, int] | None:
-        """Write a new entry: tier 2 if it fits the budget, else straight to
-        tier 3 (no file is written twice). Same contract as ``FileStore.put``;
-        ``max_disk`` bounds both tiers together."""
+        """Write a new entry into the first tier its budget fits (no file is
+        written twice). Same contract as ``FileStore.put``; ``max_disk``
+        bounds all tiers together."""
         frames = list(frames)
         size = sum(memoryview(f).nbytes for f in frames) + _FRAME_OVERHEAD * (len(frames) + 1)
         with self._lock:
             self.enforce()
-            if self.budget.used + size <= self.budget.limit:
-                rest = None if max_disk is None else max(0, max_disk - self.disk.total()[1])
+            for index, tier in enumerate(self.tiers):
+                budget = tier.budget
+                if budget is not None and budget.used + size > budget.limit:
+                    continue
+                rest = None if max_disk is None else max(0, max_disk - self._others_disk(index))
                 try:
-                    stored = self.tmpfs.put(stem, frames, memory, rest)
+                    stored = tier.store.put(stem, frames, memory, rest)
                 except OSError as e:
-                    if not _is_full(e):
+                    if budget is None or not _is_full(e):
                         raise
-                    self._on_tmpfs_full(e)
-                else:
-                    if stored is not None:
-                        self.budget.add(stored[0], stored[1])
-                    return stored
-            rest = None if max_disk is None else max(0, max_disk - self.tmpfs.total()[1])
-            stored = self.disk.put(stem, frames, memory, rest)
-            if stored is None:
-                return None
-            name = f"3:{stored[0]}"
-            self._in_disk[name] = stored[0]
-            self.direct_to_disk += 1
-            return name, stored[1]
+                    self._on_full(index, e)
+                    continue
+                if stored is None:
+                    return None
+                name = self._entry_name(index, stored[0])
+                if budget is not None:
+                    budget.add(name, stored[1])
+                if index > 0:
+                    self._placed[name] = (index, stored[0])
+                    self.overflow_writes += 1
+                return name, stored[1]
+            raise AssertionError("the last tier is unbounded")
 
-    def _on_tmpfs_full(self, e: OSError) -> None:
-        if not self.tmpfs_full:
+    def _others_disk(self, index: int) -> int:
+        return sum(int(t.store.total()[1]) for i, t in enumerate(self.tiers) if i != index)
+
+    def _on_full(self, index: int, e: OSError) -> None:
+        tier = self.tiers[index]
+        assert tier.budget is not None
+        if tier.name not in self.full:
             logger.warning(
-                "dask-shm: the shared-memory root is full (%s); new spills go to %s",
+                "dask-shm: the %s root is full (%s); new spills go to %s",
+                "shared-memory" if tier.ram else tier.name,
                 e,
-                self.disk.directory,
+                self.tiers[index + 1].directory,
             )
-        self.tmpfs_full = True
-        self.budget.limit = min(self.budget.limit, self.budget.used)
+        self.full.add(tier.name)
+        tier.budget.limit = min(tier.budget.limit, tier.budget.used)
 
     def adopt(self, path: str, size: int, stem: str, memory: int) -> tuple[str, int]:
-        """Hard-link a peer's validated file in, into the tier whose root
-        holds ``path``. Raises ForgedHandleError or OSError (as FileStore.adopt)."""
-        tier3_root = self.roots[1]
+        """Hard-link a peer's validated file in, into the linkable tier whose
+        root holds ``path`` (the first tier if none claims it: its store then
+        refuses the path). Raises ForgedHandleError or OSError (as
+        FileStore.adopt)."""
+        index = self.index_named(path)
+        tier = self.tiers[index]
         with self._lock:
-            if _real_path(path).startswith(_real_directory(tier3_root) + os.sep):
-                inner, disk = self.disk.adopt(tier3_root, path, size, stem, memory)
-                name = f"3:{inner}"
-                self._in_disk[name] = inner
-                return name, disk
-            name, disk = self.tmpfs.adopt(self.roots[0], path, size, stem, memory)
-            # Budgeted at this holder's share: the sender keeps its link (the
-            # peer's outgoing link, the last one, goes once the handshake ends).
-            holders = max(self.tmpfs.link_count(name) - 1, 1)
-            self.budget.add(name, disk // holders)
+            inner, disk = tier.store.adopt(tier.root, path, size, stem, memory)
+            name = self._entry_name(index, inner)
+            if index > 0:
+                self._placed[name] = (index, inner)
+            if tier.budget is not None:
+                # Budgeted at this holder's share: the sender keeps its link (the
+                # peer's outgoing link, the last one, goes once the handshake ends).
+                holders = max(tier.store.link_count(inner) - 1, 1)
+                tier.budget.add(name, disk // holders)
             return name, disk
 
-    def link_out(self, name: str, tiers: Collection[int] = (2, 3)) -> str | None:
+    def index_named(self, path: str) -> int:
+        """Index of the linkable tier whose root holds ``path`` (the first
+        tier, where a root is inside another, the innermost), else 0."""
+        real = _real_path(path)
+        found, depth = 0, -1
+        for index, tier in enumerate(self.tiers):
+            root = _real_directory(tier.root)
+            if tier.linkable and real.startswith(root + os.sep) and len(root) > depth:
+                found, depth = index, len(root)
+        return found
+
+    def link_out(self, name: str, tiers: Collection[int] | None = None) -> str | None:
         """A new hard link to ``name``'s file in its tier's outgoing directory;
-        None when the file is in a tier not in ``tiers`` (checked under the
-        lock: a file cannot move between the check and the link)."""
+        None when the file is in a tier whose number is not in ``tiers``
+        (default: every linkable tier) or that is not linkable (checked under
+        the lock: a file cannot move between the check and the link)."""
         with self._lock:
-            store, inner = self._locate(name)
-            tier = 3 if store is self.disk else 2
-            if tier not in tiers:
+            index, inner = self._locate(name)
+            tier = self.tiers[index]
+            if not tier.linkable or (tiers is not None and tier.number not in tiers):
                 return None
-            out = self.outgoing[1] if tier == 3 else self.outgoing[0]
-            return str(store.link_out(inner, out))
+            return str(tier.store.link_out(inner, tier.outgoing))
 
     def read(self, name: str) -> list[memoryview]:
-        store, inner = self._locate(name)
-        self.budget.touch(name)
-        return store.read(inner)
+        index, inner = self._locate(name)
+        tier = self.tiers[index]
+        if tier.budget is not None:
+            tier.budget.touch(name)
+        return tier.store.read(inner)
 
     def read_mapped(self, name: str) -> list[memoryview]:
-        store, inner = self._locate(name)
-        self.budget.touch(name)
-        return store.read_mapped(inner)
+        index, inner = self._locate(name)
+        tier = self.tiers[index]
+        if tier.budget is not None:
+            tier.budget.touch(name)
+        return tier.store.read_mapped(inner)
 
     def delete(self, name: str) -> tuple[int, int] | None:
         with self._lock:
-            store, inner = self._locate(name)
-            self._in_disk.pop(name, None)
-            self.budget.remove(name)
-            return store.delete(inner)
+            index, inner = self._locate(name)
+            tier = self.tiers[index]
+            self._placed.pop(name, None)
+            if tier.budget is not None:
+                tier.budget.remove(name)
+            return tier.store.delete(inner)
 
     def sizes(self, name: str) -> tuple[int, int]:
-        store, inner = self._locate(name)
-        return store.sizes(inner)
+        index, inner = self._locate(name)
+        return self.tiers[index].store.sizes(inner)
 
     def set_memory(self, name: str, memory: int) -> None:
-        store, inner = self._locate(name)
-        store.set_memory(inner, memory)
+        index, inner = self._locate(name)
+        self.tiers[index].store.set_memory(inner, memory)
 
     def link_count(self, name: str) -> int:
-        store, inner = self._locate(name)
-        return store.link_count(inner)
+        index, inner = self._locate(name)
+        return self.tiers[index].store.link_count(inner)
 
     def path(self, name: str) -> str:
-        store, inner = self._locate(name)
-        return str(store.path(inner))
+        index, inner = self._locate(name)
+        return str(self.tiers[index].store.path(inner))
 
     def total(self) -> tuple[int, int]:
-        m2, d2 = self.tmpfs.total()
-        m3, d3 = self.disk.total()
-        return m2 + m3, d2 + d3
+        memory = disk = 0
+        for t in self.tiers:
+            m, d = t.store.total()
+            memory += m
+            disk += d
+        return memory, disk
 
     def names(self) -> list[str]:
-        return [*self.tmpfs.names(), *self._in_disk]
+        return [*self._first.store.names(), *self._placed]
 
     def __len__(self) -> int:
-        return len(self.tmpfs) + len(self.disk)
+        return sum(len(t.store) for t in self.tiers)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._in_disk or name in self.tmpfs
+        return name in self._placed or name in self._first.store
 
     def __repr__(self) -> str:
-        return (
-            f"<TieredFiles tier 2 {self.tmpfs.directory} ({len(self.tmpfs)} files, "
-            f"{self.budget.used} of {self.budget.limit} bytes), tier 3 "
-            f"{self.disk.directory} ({len(self.disk)} files)>"
-        )
+        parts = []
+        for t in self.tiers:
+            budget = "" if t.budget is None else f", {t.budget.used} of {t.budget.limit} bytes"
+            parts.append(f"tier {t.number} {t.directory} ({len(t.store)} files{budget})")
+        return f"<TieredFiles {', '.join(parts)}>"
