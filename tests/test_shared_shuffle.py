@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from clusters import process_cluster, worker_addresses
-from distributed import Client, LocalCluster, futures_of, wait
+from distributed import Client, futures_of, wait
 from hosts import two_hosts
 from p2p_workload import (
     ARRAY_SIDE,
@@ -234,20 +234,8 @@ def test_cross_host_batches_go_by_tcp_same_host_ones_by_file():
                 # the workers unpickle p2p_workload's functions
                 "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
             }
-            with (
-                LocalCluster(
-                    n_workers=0,
-                    host=hosts.ip_a,
-                    scheduler_port=0,
-                    dashboard_address=":0",
-                    processes=True,
-                ) as cluster,
-                Client(cluster) as client,
-            ):
-                for host, name in (("a", "a1"), ("a", "a2"), ("b", "b1")):
-                    hosts.start_worker(host, cluster.scheduler_address, env, name)
-                client.wait_for_workers(3, timeout=120)
-                names = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+            workers = [("a", "a1"), ("a", "a2"), ("b", "b1")]
+            with hosts.cluster(workers, env) as (client, names):
                 assert shuffled_checksum(client) == pytest.approx(expected_checksum(), rel=1e-12)
                 counters = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
                 on = {name: counters[address] for name, address in names.items()}
@@ -258,7 +246,6 @@ def test_cross_host_batches_go_by_tcp_same_host_ones_by_file():
                     assert on[name]["p2p_file_fallbacks"] == 0, on
                 # b1 shares a root with no one but itself
                 assert on["b1"]["p2p_tcp_batches"] > 0, on
-                hosts.stop_workers()
         assert leftovers(shm) == [] and leftovers(b_shm) == []
     finally:
         if mounted:
