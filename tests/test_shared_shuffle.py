@@ -115,8 +115,11 @@ def shm_root():
         yield root
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def shared_client(shm_root):
+    """One shared-mode cluster for the module's tests (a cluster start each
+    cost more than their shuffles): each test counts batches from where the
+    one before left them and leaves no file behind."""
     with process_cluster(2, "2GiB", shared_config(shm_root)) as client:
         yield client
     assert leftovers(shm_root) == []
@@ -162,9 +165,10 @@ def slow_part(i: int) -> pd.DataFrame:
 def test_no_file_left_after_a_cancelled_shuffle(shared_client, shm_root):
     client = shared_client
     out = dd.from_map(slow_part, range(PARTITIONS)).shuffle("k", shuffle_method="p2p")
+    before = file_batches(client)
     futures = futures_of(out.persist())
     deadline = time.monotonic() + 60
-    while file_batches(client) == 0:
+    while file_batches(client) == before:
         assert time.monotonic() < deadline, "no batch went by file"
         time.sleep(0.05)
     client.cancel(futures)
@@ -175,6 +179,7 @@ def test_no_file_left_after_a_cancelled_shuffle(shared_client, shm_root):
 def test_a_worker_killed_mid_shuffle_recovers_as_stock(shared_client, shm_root):
     client = shared_client
     a, _ = worker_addresses(client)
+    before = file_batches(client)
     result = client.compute(
         dd.from_map(slow_part, range(PARTITIONS))
         .shuffle("k", shuffle_method="p2p")
@@ -182,7 +187,7 @@ def test_a_worker_killed_mid_shuffle_recovers_as_stock(shared_client, shm_root):
         .sum()
     )
     deadline = time.monotonic() + 60
-    while file_batches(client) == 0:
+    while file_batches(client) == before:
         assert time.monotonic() < deadline, "no batch went by file"
         time.sleep(0.05)
     pid = client.run(os.getpid, workers=[a])[a]
