@@ -35,20 +35,26 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import sys
 from typing import Any
 
-import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 
 from dask_shm.demo import DemoConfig, DemoRun
 from dask_shm.demo.runner import CLUSTER_CONFIG, shared_memory_plugin
 from dask_shm.demo.table import results_match
 from dask_shm.procmem import MemorySampler
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from clusters import process_cluster  # noqa: E402
+
 GiB = 2**30
 MiB = 2**20
+#: The demo's cluster config with distributed's default Active Memory Manager
+#: (process_cluster turns it off unless told), as ``DemoRun``'s clusters have it.
+BENCH_CONFIG = {**CLUSTER_CONFIG, "distributed.scheduler.active-memory-manager.start": True}
 
 
 def _scale() -> float:
@@ -129,18 +135,12 @@ def test_transfer(benchmark: Any, impl: str) -> None:
     peaks: list[int] = []
     after: list[int] = []
     b_private: list[int] = []
-    with (
-        dask.config.set(CLUSTER_CONFIG),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit=max(MEMORY_LIMIT, 3 * TRANSFER_BYTES),
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(
+        2,
+        max(MEMORY_LIMIT, 3 * TRANSFER_BYTES),
+        BENCH_CONFIG,
+        silence_logs=logging.ERROR,
+    ) as client:
         if impl.startswith("ours"):
             client.register_plugin(shared_memory_plugin())
         worker_pids = client.run(os.getpid)
@@ -194,7 +194,7 @@ def test_all_to_all_config_only(benchmark: Any, impl: str) -> None:
     import dask.array as da
 
     benchmark.group = "all-to-all (x @ x.T).sum(), x 1 GiB, 2 workers, config-only"
-    config = {**CLUSTER_CONFIG}
+    config = {**BENCH_CONFIG}
     if impl == "ours":
         config.update(
             {
@@ -207,18 +207,7 @@ def test_all_to_all_config_only(benchmark: Any, impl: str) -> None:
         size=ALL_TO_ALL_SIZE, chunk=DEMO_CHUNK, workers=2, threads=1, memory_limit=ALL_TO_ALL_LIMIT
     )
     results: list[float] = []
-    with (
-        dask.config.set(config),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit=ALL_TO_ALL_LIMIT,
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(2, ALL_TO_ALL_LIMIT, config, silence_logs=logging.ERROR) as client:
         kinds = client.run(lambda dask_worker: type(dask_worker.data).__name__)
         assert set(kinds.values()) == {"SharedSpillBuffer" if impl == "ours" else "SpillBuffer"}
         pids = set(client.run(os.getpid).values())

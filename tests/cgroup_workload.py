@@ -18,11 +18,11 @@ import time
 
 
 def main(options: dict) -> dict:
-    import dask
     import dask.array as da
-    from distributed import Client, LocalCluster, wait
+    from clusters import process_cluster
+    from distributed import wait
 
-    config: dict = {"distributed.scheduler.active-memory-manager.start": False}
+    config: dict = {}
     if options["mode"] == "ours":
         config.update(
             {
@@ -38,17 +38,7 @@ def main(options: dict) -> dict:
         config["temporary-directory"] = options["local_directory"]
     n = int(options["gib"] * 2**30 / 8 / 2)
     chunk = 8 * 2**20 // 8
-    with (
-        dask.config.set(config),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit=options["memory_limit"],
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(2, options["memory_limit"], config) as client:
         pids_before = client.run(os.getpid)
         shared = client.run(lambda dask_worker: type(dask_worker.data).__name__)
         start = time.perf_counter()

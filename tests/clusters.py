@@ -14,7 +14,7 @@ NO_AMM = {"distributed.scheduler.active-memory-manager.start": False}
 
 @contextlib.contextmanager
 def process_cluster(
-    n_workers: int, memory_limit: str, config: dict | None = None, **cluster_kwargs: Any
+    n_workers: int, memory_limit: str | int, config: dict | None = None, **cluster_kwargs: Any
 ) -> Iterator[Client]:
     """A client of a LocalCluster of ``n_workers`` worker processes (one
     thread each, no dashboard) with ``memory_limit`` each, under ``config``

@@ -15,10 +15,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from distributed import Client, LocalCluster
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess:
@@ -103,6 +104,35 @@ class TwoHosts:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         self._workers.clear()
+
+    @contextlib.contextmanager
+    def cluster(
+        self, workers: Iterable[tuple[str, str]], env: dict[str, str]
+    ) -> Iterator[tuple[Client, dict[str, str]]]:
+        """A scheduler on host A's address (a LocalCluster without workers)
+        and a client of it, with one ``dask worker`` per ``(host, name)`` in
+        ``workers`` started under ``env``; yields the client and the workers'
+        addresses by name once all have connected. The workers are stopped
+        (cleanly, see :meth:`stop_workers`) before the scheduler closes."""
+        workers = list(workers)
+        with (
+            LocalCluster(
+                n_workers=0,
+                host=self.ip_a,
+                scheduler_port=0,
+                dashboard_address=":0",
+                processes=True,
+            ) as cluster,
+            Client(cluster) as client,
+        ):
+            for host, name in workers:
+                self.start_worker(host, cluster.scheduler_address, env, name)
+            client.wait_for_workers(len(workers), timeout=120)
+            # the scheduler's identity, not client.scheduler_info(): see
+            # clusters.worker_addresses
+            info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+            yield client, {w["name"]: address for address, w in info.items()}
+            self.stop_workers()
 
 
 @contextlib.contextmanager

@@ -18,12 +18,11 @@ import time
 
 
 def main(options: dict) -> None:
-    import dask
     import numpy as np
-    from distributed import Client, LocalCluster, wait
+    from clusters import process_cluster
+    from distributed import wait
 
     config = {
-        "distributed.scheduler.active-memory-manager.start": False,
         "distributed.worker.preload": ["dask_shm"],
         "distributed.nanny.preload": ["dask_shm"],
         "shm.shared-memory.enabled": True,
@@ -31,17 +30,7 @@ def main(options: dict) -> None:
         "shm.shared-memory.disk-root": options["disk_root"],
         "shm.shared-memory.max-bytes": options["max_bytes"],
     }
-    with (
-        dask.config.set(config),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit="2 GiB",
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with process_cluster(2, "2 GiB", config) as client:
         a, b = sorted(client.scheduler_info()["workers"])
         held = []
         for maker, taker in ((a, b), (b, a)):

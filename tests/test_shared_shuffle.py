@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from clusters import process_cluster, worker_addresses
-from distributed import Client, LocalCluster, futures_of, wait
+from distributed import Client, futures_of, wait
 from hosts import two_hosts
 from p2p_workload import (
     ARRAY_SIDE,
@@ -115,8 +115,11 @@ def shm_root():
         yield root
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def shared_client(shm_root):
+    """One shared-mode cluster for the module's tests (a cluster start each
+    cost more than their shuffles): each test counts batches from where the
+    one before left them and leaves no file behind."""
     with process_cluster(2, "2GiB", shared_config(shm_root)) as client:
         yield client
     assert leftovers(shm_root) == []
@@ -162,9 +165,10 @@ def slow_part(i: int) -> pd.DataFrame:
 def test_no_file_left_after_a_cancelled_shuffle(shared_client, shm_root):
     client = shared_client
     out = dd.from_map(slow_part, range(PARTITIONS)).shuffle("k", shuffle_method="p2p")
+    before = file_batches(client)
     futures = futures_of(out.persist())
     deadline = time.monotonic() + 60
-    while file_batches(client) == 0:
+    while file_batches(client) == before:
         assert time.monotonic() < deadline, "no batch went by file"
         time.sleep(0.05)
     client.cancel(futures)
@@ -175,6 +179,7 @@ def test_no_file_left_after_a_cancelled_shuffle(shared_client, shm_root):
 def test_a_worker_killed_mid_shuffle_recovers_as_stock(shared_client, shm_root):
     client = shared_client
     a, _ = worker_addresses(client)
+    before = file_batches(client)
     result = client.compute(
         dd.from_map(slow_part, range(PARTITIONS))
         .shuffle("k", shuffle_method="p2p")
@@ -182,7 +187,7 @@ def test_a_worker_killed_mid_shuffle_recovers_as_stock(shared_client, shm_root):
         .sum()
     )
     deadline = time.monotonic() + 60
-    while file_batches(client) == 0:
+    while file_batches(client) == before:
         assert time.monotonic() < deadline, "no batch went by file"
         time.sleep(0.05)
     pid = client.run(os.getpid, workers=[a])[a]
@@ -234,20 +239,8 @@ def test_cross_host_batches_go_by_tcp_same_host_ones_by_file():
                 # the workers unpickle p2p_workload's functions
                 "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
             }
-            with (
-                LocalCluster(
-                    n_workers=0,
-                    host=hosts.ip_a,
-                    scheduler_port=0,
-                    dashboard_address=":0",
-                    processes=True,
-                ) as cluster,
-                Client(cluster) as client,
-            ):
-                for host, name in (("a", "a1"), ("a", "a2"), ("b", "b1")):
-                    hosts.start_worker(host, cluster.scheduler_address, env, name)
-                client.wait_for_workers(3, timeout=120)
-                names = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+            workers = [("a", "a1"), ("a", "a2"), ("b", "b1")]
+            with hosts.cluster(workers, env) as (client, names):
                 assert shuffled_checksum(client) == pytest.approx(expected_checksum(), rel=1e-12)
                 counters = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
                 on = {name: counters[address] for name, address in names.items()}
@@ -258,7 +251,6 @@ def test_cross_host_batches_go_by_tcp_same_host_ones_by_file():
                     assert on[name]["p2p_file_fallbacks"] == 0, on
                 # b1 shares a root with no one but itself
                 assert on["b1"]["p2p_tcp_batches"] > 0, on
-                hosts.stop_workers()
         assert leftovers(shm) == [] and leftovers(b_shm) == []
     finally:
         if mounted:

@@ -27,7 +27,7 @@ import uuid
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hosts import two_hosts  # noqa: E402
@@ -127,22 +127,7 @@ def test_two_hosts(topology: str) -> None:
                     [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
                 ),
             }
-            with (
-                LocalCluster(
-                    n_workers=0,
-                    host=hosts.ip_a,
-                    scheduler_port=0,
-                    dashboard_address=":0",
-                    processes=True,
-                ) as cluster,
-                Client(cluster) as client,
-            ):
-                hosts.start_worker("a", cluster.scheduler_address, env, "host-a")
-                hosts.start_worker("b", cluster.scheduler_address, env, "host-b")
-                client.wait_for_workers(2, timeout=120)
-                by_name = {
-                    w["name"]: addr for addr, w in client.scheduler_info()["workers"].items()
-                }
+            with hosts.cluster([("a", "host-a"), ("b", "host-b")], env) as (client, by_name):
                 a, b = by_name["host-a"], by_name["host-b"]
                 assert a.startswith(f"tcp://{hosts.ip_a}:")
                 assert b.startswith(f"tcp://{hosts.ip_b}:")
@@ -167,7 +152,6 @@ def test_two_hosts(topology: str) -> None:
                     assert _total(counters, "unresolved_handles") > 0, counters
                     assert links > 0 and as_bytes > 0, counters  # tier 2 still linked
                 client.cancel([f"y-{i}" for i in range(N)])
-                hosts.stop_workers()
         # Host B's namespace is gone: its bind mounts with it.
         time.sleep(0.1)
         left = _files_under(shm, disk, b_shm, b_disk)

@@ -7,10 +7,10 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, Scheduler, Worker, span
+from clusters import process_cluster
+from distributed import Client, Scheduler, Worker, span
 from distributed.scheduler import DEFAULT_EXTENSIONS as SCHEDULER_EXTENSIONS
 from distributed.utils_test import gen_cluster, gen_test
 from distributed.worker import DEFAULT_EXTENSIONS as WORKER_EXTENSIONS
@@ -179,22 +179,12 @@ def test_local_cluster_memory_per_span_matches_workers() -> None:
     config = {
         **NO_MONITOR,
         "distributed.worker.memory.target": 0.05,
-        # Replicas made by the reduction must stay put while we compare figures
-        "distributed.scheduler.active-memory-manager.start": False,
     }
-    with (
-        dask.config.set(config),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit="400MiB",  # spill target: 20 MiB per worker
-            dashboard_address=":0",
-            scheduler_kwargs=OURS_SCHEDULER,
-            **OURS_WORKER,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    # Spill target: 20 MiB per worker. process_cluster turns the AMM off: the
+    # replicas made by the reduction must stay put while we compare figures.
+    with process_cluster(
+        2, "400MiB", config, scheduler_kwargs=OURS_SCHEDULER, **OURS_WORKER
+    ) as client:
         with span("pipeline"):
             with span("big"):
                 big = [client.submit(block, 4 * MIB, i, key=("big", i)) for i in range(14)]
