@@ -34,6 +34,9 @@ _HEADER = struct.Struct("<8s16sB7xQQ")
 _LENGTH = struct.Struct("<Q")
 _ALIGN = 64
 
+#: madvise(2) advice, not in Python's mmap module before 3.13
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
 KIND_BYTES = 0
 KIND_PICKLE = 1
 
@@ -80,10 +83,21 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    while data.nbytes:
-        written = os.write(fd, data)
-        data = data[written:]
+#: at most this many buffers per ``writev`` call (Linux's IOV_MAX)
+_IOV_MAX = 1024
+_PADDING = bytes(_ALIGN)
+
+
+def _writev_all(fd: int, parts: list[memoryview]) -> None:
+    """Write ``parts`` in order with as few ``writev`` calls as the kernel allows."""
+    first = 0
+    while first < len(parts):
+        written = os.writev(fd, parts[first : first + _IOV_MAX])
+        while first < len(parts) and written >= parts[first].nbytes:
+            written -= parts[first].nbytes
+            first += 1
+        if written:
+            parts[first] = parts[first][written:]
 
 
 def _layout(batch: list | bytes) -> tuple[int, bytes, list[memoryview]]:
@@ -98,22 +112,29 @@ def _layout(batch: list | bytes) -> tuple[int, bytes, list[memoryview]]:
 def write(path: str, batch: list | bytes) -> tuple[int, str]:
     """Write ``batch`` to a new file ``path``; returns (size, nonce). The
     file is removed if anything fails (OSError from the file system, an
-    exception from pickling or BufferError), which is raised."""
+    exception from pickling or BufferError), which is raised.
+
+    One ``writev`` call writes the whole batch (header, pickle, padding and
+    the buffers straight from the arrays' memory): no copy in user space and
+    a single release of the GIL, so it runs in the event loop as stock's
+    socket writes do, without a thread hand-over per batch."""
     kind, body, buffers = _layout(batch)
     nonce = uuid.uuid4().bytes
-    head = _HEADER.pack(MAGIC, nonce, kind, len(buffers), len(body))
-    lengths = b"".join(_LENGTH.pack(b.nbytes) for b in buffers)
+    head = _HEADER.pack(MAGIC, nonce, kind, len(buffers), len(body)) + b"".join(
+        _LENGTH.pack(b.nbytes) for b in buffers
+    )
+    parts = [memoryview(head), memoryview(body)]
+    offset = len(head) + len(body)
+    padding = memoryview(_PADDING)
+    for buf in buffers:
+        pad = _aligned(offset) - offset
+        if pad:
+            parts.append(padding[:pad])
+        parts.append(buf)
+        offset += pad + buf.nbytes
     fd = os.open(path, _CREATE, 0o600)
     try:
-        offset = len(head) + len(lengths) + len(body)
-        _write_all(fd, memoryview(head + lengths))
-        _write_all(fd, memoryview(body))
-        for buf in buffers:
-            pad = _aligned(offset) - offset
-            if pad:
-                _write_all(fd, memoryview(bytes(pad)))
-            _write_all(fd, buf)
-            offset += pad + buf.nbytes
+        _writev_all(fd, parts)
         os.close(fd)
         fd = -1
     except BaseException:
@@ -129,20 +150,32 @@ def read(path: str, size: int, nonce: str, *, copy: bool = False) -> list | byte
     ``nonce``; the file is unlinked once opened (its pages live on while the
     batch's arrays view them; with ``copy`` each buffer is copied out, into
     memory of its own). Raises ShardFileError for anything else."""
+    if size < _HEADER.size:
+        raise ShardFileError(f"shard file {path} cannot be {size} bytes")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise ShardFileError(f"cannot open shard file {path}: {e}") from e
     try:
-        if os.fstat(fd).st_size != size or size < _HEADER.size:
-            raise ShardFileError(f"shard file {path} is not {size} bytes")
         _unlink(path)
+        # mmap itself refuses a file shorter than size (ValueError); a longer
+        # one is caught by the nonce at its head and the layout's lengths.
         mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise ShardFileError(f"cannot map shard file {path}: {e}") from e
     finally:
         os.close(fd)
+    _populate(mapping)
     return _parse(mapping, nonce, path, copy)
+
+
+def _populate(mapping: mmap.mmap) -> None:
+    """Map the file's pages in one call instead of one page fault per 64 KiB
+    as the batch is read (Linux 5.14+; elsewhere the faults happen as before)."""
+    try:
+        mapping.madvise(_MADV_POPULATE_READ)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _parse(mapping: mmap.mmap, nonce: str, path: str, copy: bool) -> list | bytes:

@@ -1,0 +1,67 @@
+"""A P2P shard batch as a file (dask_shm.shared.shard_file): what a sender
+writes comes back equal on the receiver's side, whatever its shape, and a
+file that is not the one announced is refused with ShardFileError."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from dask_shm.shared import shard_file
+from dask_shm.shared.shard_file import ShardFileError
+
+
+def rechunk_batch(shards: int) -> list:
+    """What ArrayRechunkRun sends: (input id, [(output id, (shard id, array))])."""
+    rng = np.random.default_rng(0)
+    return [
+        ((0, 0), [((0, i), ((i, 0), rng.random((3 + i % 5, 2)))) for i in range(shards)]),
+    ]
+
+
+def assert_same_batch(got: list, sent: list) -> None:
+    assert len(got) == len(sent)
+    for (id_got, payload_got), (id_sent, payload_sent) in zip(got, sent, strict=True):
+        assert id_got == id_sent
+        for (out_got, (shard_got, a)), (out_sent, (shard_sent, b)) in zip(
+            payload_got, payload_sent, strict=True
+        ):
+            assert (out_got, shard_got) == (out_sent, shard_sent)
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("shards", [1, 2500])
+def test_a_batch_comes_back_equal_and_its_file_goes(tmp_path, shards):
+    # 2500 arrays: more buffers than one writev call takes (IOV_MAX, 1024).
+    sent = rechunk_batch(shards)
+    path = str(tmp_path / "batch.p2p")
+    size, nonce = shard_file.write(path, sent)
+    got = shard_file.read(path, size, nonce)
+    assert not os.path.exists(path)
+    assert_same_batch(got, sent)
+    array = got[0][1][0][1][1]
+    assert array.flags.writeable and array.ctypes.data % 64 == 0
+    array[0, 0] = -1.0  # a private copy-on-write page: the sender's array is untouched
+    assert sent[0][1][0][1][1][0, 0] != -1.0
+
+
+def test_a_batch_of_bytes_comes_back_as_bytes(tmp_path):
+    path = str(tmp_path / "batch.p2p")
+    size, nonce = shard_file.write(path, b"x" * 100_000)
+    assert shard_file.read(path, size, nonce) == b"x" * 100_000
+
+
+@pytest.mark.parametrize("damage", ["shorter", "other nonce", "missing"])
+def test_a_file_that_is_not_the_one_announced_is_refused(tmp_path, damage):
+    path = str(tmp_path / "batch.p2p")
+    size, nonce = shard_file.write(path, rechunk_batch(3))
+    if damage == "shorter":
+        os.truncate(path, size - 1)
+    elif damage == "other nonce":
+        nonce = "00" * 16
+    else:
+        os.unlink(path)
+    with pytest.raises(ShardFileError):
+        shard_file.read(path, size, nonce)
