@@ -126,17 +126,12 @@ class SpillBuffer(zict.Buffer[Key, object]):
         """The parts (keyword-only, for buffers built on this class) default
         to stock's: ``store`` holds the spilled values (default: a
         :class:`SpillStore` in ``spill_directory``, behind a weak-value
-        cache; given, ``spill_directory`` and ``max_spill`` are its business
-        and must be None and False), ``weight`` measures a value in memory
-        (default ``sizeof``), ``charge`` returns bytes held outside the
-        values that count against ``target`` too (at most half of it, see
-        :class:`ChargedLRU`)."""
+        cache; given, ``spill_directory``, ``max_spill`` and ``recycle_bytes``
+        are its business and must be left at None, False and None),
+        ``weight`` measures a value in memory (default ``sizeof``),
+        ``charge`` returns bytes held outside the values that count against
+        ``target`` too (at most half of it, see :class:`ChargedLRU`)."""
         target = byte_size(target, "target")
-        recycle = (
-            spill_recycle_bytes()
-            if recycle_bytes is None
-            else byte_size(recycle_bytes, "recycle_bytes")
-        )
         max_spill = spill_limit(max_spill, "max_spill")
         if shared:
             raise TypeError(
@@ -151,6 +146,11 @@ class SpillBuffer(zict.Buffer[Key, object]):
             if spill_directory is None:
                 raise ValueError("spill_directory is required")
             self.cumulative_metrics = defaultdict(float)
+            recycle = (
+                spill_recycle_bytes()
+                if recycle_bytes is None
+                else byte_size(recycle_bytes, "recycle_bytes")
+            )
             store = SpillStore(
                 spill_directory,
                 max_spill,
@@ -162,8 +162,10 @@ class SpillBuffer(zict.Buffer[Key, object]):
             # from the weak-value cache instead of being read (and held) twice.
             slow = zict.Cache(store, zict.WeakValueMapping())
         else:
-            if spill_directory is not None or max_spill is not False:
-                raise ValueError("spill_directory and max_spill belong to the given store")
+            if spill_directory is not None or max_spill is not False or recycle_bytes is not None:
+                raise ValueError(
+                    "spill_directory, max_spill and recycle_bytes belong to the given store"
+                )
             self.cumulative_metrics = store.cumulative_metrics
             slow = store
         self._store = store
