@@ -63,18 +63,14 @@ def _validator(key: str) -> jsonschema.protocols.Validator:
     return cls(schema)
 
 
-def _default_of(key: str) -> object:
-    node: object = DEFAULTS
-    for part in key.split("."):
-        node = node[part]  # type: ignore[index]
-    return node
-
-
 def shipped_default(key: str) -> object:
     """The value ``dask-shm.yaml`` gives ``key`` (e.g.
     ``"shm.shared-memory.born-threshold"``): the one place defaults live.
     Raises KeyError for a key it does not have."""
-    return _default_of(key)
+    node: object = DEFAULTS
+    for part in key.split("."):
+        node = node[part]  # type: ignore[index]
+    return node
 
 
 def setting(key: str) -> object:
@@ -87,7 +83,7 @@ def setting(key: str) -> object:
     accepted (:func:`invalid`); KeyError for a key the schema does not describe.
     """
     validator = _validator(key)
-    raw = dask.config.get(key, default=_default_of(key))
+    raw = dask.config.get(key, default=shipped_default(key))
     if not validator.is_valid(raw):
         raise invalid(key, raw)
     return raw
