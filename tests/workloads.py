@@ -23,6 +23,10 @@ compared (equal sums).
   a column with ``shuffle_method="p2p"``.
 - ``spilling`` (test_spill.py, ``release``): an array of 1.79x the memory
   persisted (it spills), then its sum, the array released meanwhile.
+- ``matmul`` (not coiled's: ``dask-shm demo``'s n^2 workload):
+  ``(x @ x.T).sum()``, x 1/16th of the memory (2 GiB for 8 workers x 4 GiB,
+  the size issue 26 measured) as ``n`` by ``4 n`` floats in 32 row blocks:
+  every output block needs two row blocks, a pure all-to-all.
 
 Each workload is a function ``(client, memory, scale) -> float`` that runs the
 computation on ``client`` and returns its result; ``memory`` is the
@@ -33,12 +37,14 @@ proportions). Data are seeded: the same arguments give the same numbers.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import dask
 import dask.array as da
 import numpy as np
+from dask.array import PerformanceWarning
 from distributed import Client, wait
 
 MIB = 2**20
@@ -129,6 +135,16 @@ def spilling(client: Client | None, memory: int, scale: float) -> float:
     return float(b.compute())
 
 
+def matmul(client: Client, memory: int, scale: float) -> float:
+    n = max(32, square_side(memory * scale / 16 / 4))
+    x = _rng(8).random((n, 4 * n), chunks=(-(-n // 32), 4 * n))
+    with warnings.catch_warnings():
+        # (row blocks)**2 output blocks: that is the point of the workload.
+        warnings.simplefilter("ignore", PerformanceWarning)
+        total = (x @ x.T).sum()
+    return float(client.compute(total).result())
+
+
 WORKLOADS: dict[str, Workload] = {
     "double_diff": double_diff,
     "anom_mean": anom_mean,
@@ -136,4 +152,5 @@ WORKLOADS: dict[str, Workload] = {
     "rechunk_p2p": rechunk_p2p,
     "shuffle_p2p": shuffle_p2p,
     "spilling": spilling,
+    "matmul": matmul,
 }
