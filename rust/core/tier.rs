@@ -7,7 +7,7 @@
 //! same memory size, and only then removes the source entry: a failure at any
 //! step leaves the source untouched.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use crate::store::{FileStore, StoreError};
 
@@ -53,12 +53,21 @@ pub struct Plan {
 /// Byte budget of tier 2 with least-recently-used order. Pinned entries
 /// (files mapped by values in memory) are never chosen to move. Pure
 /// bookkeeping: the caller moves the files and reports back with `remove`.
+///
+/// Every operation is O(log n) in the number of entries, and `plan` is
+/// O(1) when the incoming bytes fit without moving anything (the common
+/// case): the unpinned entries are kept in LRU order with their byte total,
+/// instead of being collected and sorted at every write.
 #[derive(Debug, Default)]
 pub struct TierBudget {
     limit: u64,
     used: u64,
     clock: u64,
     entries: HashMap<String, Entry>,
+    /// `(last_use, name)` of every unpinned entry, least recently used first
+    movable: BTreeSet<(u64, String)>,
+    /// bytes of the entries in `movable`
+    movable_bytes: u64,
 }
 
 impl TierBudget {
@@ -94,18 +103,28 @@ impl TierBudget {
         self.clock
     }
 
+    fn make_movable(&mut self, name: &str, e: &Entry) {
+        self.movable.insert((e.last_use, name.to_owned()));
+        self.movable_bytes += e.size;
+    }
+
+    fn make_fixed(&mut self, name: &str, e: &Entry) {
+        if self.movable.remove(&(e.last_use, name.to_owned())) {
+            self.movable_bytes -= e.size;
+        }
+    }
+
     /// Account a new tier-2 entry (replacing one of the same name).
     pub fn add(&mut self, name: &str, size: u64) {
         self.remove(name);
         let last_use = self.tick();
-        self.entries.insert(
-            name.to_owned(),
-            Entry {
-                size,
-                last_use,
-                pins: 0,
-            },
-        );
+        let e = Entry {
+            size,
+            last_use,
+            pins: 0,
+        };
+        self.make_movable(name, &e);
+        self.entries.insert(name.to_owned(), e);
         self.used += size;
     }
 
@@ -113,6 +132,7 @@ impl TierBudget {
     pub fn remove(&mut self, name: &str) -> bool {
         match self.entries.remove(name) {
             Some(e) => {
+                self.make_fixed(name, &e);
                 self.used -= e.size;
                 true
             }
@@ -123,23 +143,46 @@ impl TierBudget {
     /// Mark an entry as just used.
     pub fn touch(&mut self, name: &str) {
         let now = self.tick();
-        if let Some(e) = self.entries.get_mut(name) {
-            e.last_use = now;
+        self.reuse(name, now, 0);
+    }
+
+    /// Set the entry's last use to `now` and add `pins` to its pins,
+    /// keeping `movable` in step.
+    fn reuse(&mut self, name: &str, now: u64, pins: u32) {
+        let Some(e) = self.entries.get(name).cloned() else {
+            return;
+        };
+        if e.pins == 0 {
+            self.make_fixed(name, &e);
         }
+        let e = Entry {
+            last_use: now,
+            pins: e.pins + pins,
+            ..e
+        };
+        if e.pins == 0 {
+            self.make_movable(name, &e);
+        }
+        self.entries.insert(name.to_owned(), e);
     }
 
     /// A value maps the entry's file: it must not move. Pins nest.
     pub fn pin(&mut self, name: &str) {
         let now = self.tick();
-        if let Some(e) = self.entries.get_mut(name) {
-            e.pins += 1;
-            e.last_use = now;
-        }
+        self.reuse(name, now, 1);
     }
 
     pub fn unpin(&mut self, name: &str) {
-        if let Some(e) = self.entries.get_mut(name) {
-            e.pins = e.pins.saturating_sub(1);
+        let Some(e) = self.entries.get_mut(name) else {
+            return;
+        };
+        if e.pins == 0 {
+            return;
+        }
+        e.pins -= 1;
+        if e.pins == 0 {
+            let e = e.clone();
+            self.make_movable(name, &e);
         }
     }
 
@@ -150,19 +193,16 @@ impl TierBudget {
     /// Which entries to move so that `incoming` more bytes fit.
     pub fn plan(&self, incoming: u64) -> Plan {
         let over = |extra: u64| (self.used + extra).saturating_sub(self.limit);
-        let mut movable: Vec<(&String, &Entry)> =
-            self.entries.iter().filter(|(_, e)| e.pins == 0).collect();
-        movable.sort_by_key(|(name, e)| (e.last_use, name.as_str()));
-        let freeable: u64 = movable.iter().map(|(_, e)| e.size).sum();
-        let fits = incoming <= self.limit && over(incoming) <= freeable;
+        let fits = incoming <= self.limit && over(incoming) <= self.movable_bytes;
         let need = if fits { over(incoming) } else { over(0) };
         let mut victims = Vec::new();
         let mut freed = 0;
-        for (name, e) in movable {
+        for (_, name) in &self.movable {
             if freed >= need {
                 break;
             }
-            freed += e.size;
+            let size = self.entries[name].size;
+            freed += size;
             victims.push(name.clone());
         }
         Plan { victims, fits }
@@ -302,5 +342,65 @@ mod tests {
             }
         );
         assert!(b.plan(0).fits);
+    }
+
+    /// The plan every write of the previous version made: collect the
+    /// unpinned entries, sort them by last use, take the oldest.
+    fn sorted_plan(b: &TierBudget, incoming: u64) -> Plan {
+        let over = |extra: u64| (b.used + extra).saturating_sub(b.limit);
+        let mut movable: Vec<(&String, &Entry)> =
+            b.entries.iter().filter(|(_, e)| e.pins == 0).collect();
+        movable.sort_by_key(|(name, e)| (e.last_use, name.as_str()));
+        let freeable: u64 = movable.iter().map(|(_, e)| e.size).sum();
+        let fits = incoming <= b.limit && over(incoming) <= freeable;
+        let need = if fits { over(incoming) } else { over(0) };
+        let (mut victims, mut freed) = (Vec::new(), 0);
+        for (name, e) in movable {
+            if freed >= need {
+                break;
+            }
+            freed += e.size;
+            victims.push(name.clone());
+        }
+        Plan { victims, fits }
+    }
+
+    #[test]
+    fn budget_plans_as_sorting_every_entry_would() {
+        // A fixed pseudo-random sequence of every operation on 40 names.
+        let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut b = TierBudget::new(1_000);
+        for _ in 0..20_000 {
+            let name = format!("k{}", next(40));
+            match next(7) {
+                0 | 1 => b.add(&name, 1 + next(120)),
+                2 => {
+                    b.remove(&name);
+                }
+                3 => b.touch(&name),
+                4 => b.pin(&name),
+                5 => b.unpin(&name),
+                _ => b.set_limit(200 + next(1_500)),
+            }
+            let incoming = next(400);
+            assert_eq!(b.plan(incoming), sorted_plan(&b, incoming));
+            let movable: u64 = b
+                .entries
+                .values()
+                .filter(|e| e.pins == 0)
+                .map(|e| e.size)
+                .sum();
+            assert_eq!(b.movable_bytes, movable);
+            assert_eq!(
+                b.movable.len(),
+                b.entries.values().filter(|e| e.pins == 0).count()
+            );
+        }
     }
 }
