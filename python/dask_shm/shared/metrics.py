@@ -51,9 +51,12 @@ COUNTERS = (
 _DESCRIPTIONS = {
     "memory_bytes": "Private bytes of this worker's values in memory (tier 1)",
     "shared_bytes": "Bytes of this worker's data in shared-memory files (1/k per holder)",
-    "disk_bytes": "Bytes of this worker's files in tier 3 (a real file system)",
-    "tier2_budget": "Bytes of shared-memory files this worker keeps before moving to disk",
-    "tier3_moves": "Files moved from shared memory to disk (tier 3)",
+    "disk_bytes": "Bytes of this worker's files on a real file system (the disk tier)",
+    "shared_budget": "Bytes of shared-memory files this worker keeps before moving them on",
+    "disk_moves": "Files moved into the disk tier",
+    # the two above under the names they had when tiers were numbered
+    "tier2_budget": "Bytes of shared-memory files this worker keeps before moving them on",
+    "tier3_moves": "Files moved into the disk tier",
     "pending_arrivals": "Files received from peers whose value is not stored yet",
     "retained_keys": "Keys in memory backed by a shared-memory file",
     "link_transfers": "Keys sent to same-host peers as hard-link handles",
@@ -101,18 +104,27 @@ def shm_metrics(dask_worker: Worker) -> dict[str, float]:
     return out
 
 
+#: Figures once named by tier number -> the figure they copy, named after
+#: the tier: they keep meaning the shared-memory tier's budget and the moves
+#: into the disk tier wherever those tiers are in the list.
+NUMBERED_NAMES = {"tier2_budget": "shared_budget", "tier3_moves": "disk_moves"}
+
+
 def tier_figures(files: TieredFiles) -> dict[str, float]:
-    """Per file tier: ``<name>_bytes`` (its files' bytes that count for this
-    worker, 1/k of a file with k links), ``tier<n>_budget`` for a tier with a
-    budget and ``tier<n>_moves`` (files moved into it) for every tier after
-    the first."""
+    """Per file tier, named after it (:attr:`~dask_shm.shared.tiers.TierSpec.name`,
+    so that inserting a tier renames no other tier's figures):
+    ``<name>_bytes`` (its files' bytes that count for this worker, 1/k of a
+    file with k links), ``<name>_budget`` for a tier with a budget and
+    ``<name>_moves`` (files moved into it) for every tier after the first;
+    plus :data:`NUMBERED_NAMES`."""
     out = {}
     for index, tier in enumerate(files.tiers):
         out[f"{tier.name}_bytes"] = float(tier.store.total()[1])
         if tier.budget is not None:
-            out[f"tier{tier.number}_budget"] = float(tier.budget.limit)
+            out[f"{tier.name}_budget"] = float(tier.budget.limit)
         if index > 0:
-            out[f"tier{tier.number}_moves"] = float(files.moved_in[tier.name])
+            out[f"{tier.name}_moves"] = float(files.moved_in[tier.name])
+    out.update({old: out[new] for old, new in NUMBERED_NAMES.items() if new in out})
     return out
 
 

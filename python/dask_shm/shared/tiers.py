@@ -63,7 +63,9 @@ FIRST_FILE_TIER = 2
 class TierSpec:
     """Where a file tier lives and what its files are, from settings.
 
-    ``name`` names its figures (``<name>_bytes`` in the worker's metrics);
+    ``name`` names its figures (``<name>_bytes``, ``<name>_budget``,
+    ``<name>_moves`` in the worker's metrics, see
+    :func:`~dask_shm.shared.metrics.tier_figures`);
     ``ram``: its files are RAM (a tmpfs): they count in the worker's memory
     and a value mapping one costs only its private bytes; ``linkable``: its
     files may be handed to same-host peers by hard link (its root then gets
