@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from dask_shm.config import prometheus_namespace
@@ -113,12 +114,15 @@ NUMBERED_NAMES = {"tier2_budget": "shared_budget", "tier3_moves": "disk_moves"}
 def tier_figures(files: TieredFiles) -> dict[str, float]:
     """Per file tier, named after it (:attr:`~dask_shm.shared.tiers.TierSpec.name`,
     so that inserting a tier renames no other tier's figures):
-    ``<name>_bytes`` (its files' bytes that count for this worker, 1/k of a
-    file with k links), ``<name>_budget`` for a tier with a budget and
-    ``<name>_moves`` (files moved into it) for every tier after the first;
-    plus :data:`NUMBERED_NAMES`."""
+    ``<name>_tier`` (its number, 2 for the first file tier: what tells
+    readers, see :func:`file_tiers`, which tiers there are and in which
+    order), ``<name>_bytes`` (its files' bytes that count for this worker,
+    1/k of a file with k links), ``<name>_budget`` for a tier with a budget
+    and ``<name>_moves`` (files moved into it) for every tier after the
+    first; plus :data:`NUMBERED_NAMES`."""
     out = {}
     for index, tier in enumerate(files.tiers):
+        out[f"{tier.name}_tier"] = float(tier.number)
         out[f"{tier.name}_bytes"] = float(tier.store.total()[1])
         if tier.budget is not None:
             out[f"{tier.name}_budget"] = float(tier.budget.limit)
@@ -126,6 +130,42 @@ def tier_figures(files: TieredFiles) -> dict[str, float]:
             out[f"{tier.name}_moves"] = float(files.moved_in[tier.name])
     out.update({old: out[new] for old, new in NUMBERED_NAMES.items() if new in out})
     return out
+
+
+@dataclass(frozen=True)
+class TierFigures:
+    """One file tier's figures, as a worker publishes them (:func:`tier_figures`)."""
+
+    name: str
+    #: its place: 2 for the first file tier (tier 1 is private memory)
+    number: int
+    bytes: int
+    #: None: the tier has no budget (the last one)
+    budget: int | None = None
+    #: files moved into it; None for the first file tier
+    moves: int | None = None
+
+
+def file_tiers(figures: Mapping[str, float]) -> list[TierFigures]:
+    """The file tiers in a worker's ``figures`` (:func:`shm_metrics`, or what
+    its heartbeats sent), fastest first: what ``dask shm info`` and the
+    dashboard show, whatever the tiers are."""
+    found = []
+    for key, number in figures.items():
+        if not key.endswith("_tier"):
+            continue
+        name = key.removesuffix("_tier")
+        budget, moves = (figures.get(f"{name}_{what}") for what in ("budget", "moves"))
+        found.append(
+            TierFigures(
+                name,
+                int(number),
+                int(figures.get(f"{name}_bytes", 0)),
+                None if budget is None else int(budget),
+                None if moves is None else int(moves),
+            )
+        )
+    return sorted(found, key=lambda tier: tier.number)
 
 
 _workers: weakref.WeakSet[Worker] = weakref.WeakSet()
