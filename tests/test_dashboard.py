@@ -33,13 +33,13 @@ CONFIG = {
 
 #: Sample fields that worker ``a`` (the one holding the arrays) has non-zero
 #: after the workload; ``b`` sends small values as bytes (``tcp``).
-A_FIELDS = ("private", "tier1", "tier2", "budget", "tier3", "link")
+A_FIELDS = ("private", "tier1", "tier2", "tier2_budget", "tier3", "link")
 
 
 def history(dask_scheduler: Scheduler) -> dict[str, dict[str, float]]:
     """The last sample of each worker in the page's history, as dicts."""
     samples = preloaded_plugins(dask_scheduler)["shm-dashboard"].history.samples()
-    return {w: s[-1]._asdict() for w, s in samples.items() if s}
+    return {w: s[-1].figures() for w, s in samples.items() if s}
 
 
 def wait_for_figures(client: Client, a: str, b: str, timeout: float = 60) -> None:
@@ -88,14 +88,14 @@ def test_history_has_each_workers_tiers_and_transfers(cluster):
     # b's list of Python objects went to a as bytes: counted as TCP, not link
     assert last[b]["tcp"] >= sizeof(list(range(50_000))) and last[b]["link"] == 0
     # the budget is the configured one, the tier-2 bytes within it
-    assert last[a]["budget"] == 40 * MiB and 0 < last[a]["tier2"] <= 40 * MiB
+    assert last[a]["tier2_budget"] == 40 * MiB and 0 < last[a]["tier2"] <= 40 * MiB
 
 
 #: The page's plots, and the sample fields each draws.
 PLOTS = {
     "shm-private": ("private",),
     "shm-tier1": ("tier1",),
-    "shm-tier2": ("tier2", "budget"),
+    "shm-tier2": ("tier2", "tier2_budget"),
     "shm-tier3": ("tier3",),
     "shm-link": ("link",),
     "shm-tcp": ("tcp",),
@@ -122,7 +122,7 @@ READ_PAGE = """(() => {
   const last = {};
   history.worker.forEach((w, i) => {
     last[w] = {color: history.color[i], points: history.time[i].length};
-    for (const field of ["private", "tier1", "tier2", "budget", "tier3", "link", "tcp"]) {
+    for (const field of ["private", "tier1", "tier2", "tier2_budget", "tier3", "link", "tcp"]) {
       const ys = Array.from(history[field][i]);
       last[w][field] = ys[ys.length - 1];
     }

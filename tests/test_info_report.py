@@ -26,7 +26,8 @@ from dask_shm import SharedMemoryPlugin
 from dask_shm._core import is_ram_backed
 from dask_shm.compat import HOOKS
 from dask_shm.info import collect_info, format_info
-from dask_shm.shared import limits, paths, plugin
+from dask_shm.info.render import as_json
+from dask_shm.shared import SharedSpillBuffer, limits, paths, plugin
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux (tmpfs)")
 
@@ -201,6 +202,17 @@ def test_json_has_the_same_facts_and_the_same_exit_status(roomy_tmpfs):
     assert f"- {problem['message']}\n  fix: {problem['fix']}" in text.stdout
 
 
+def one_worker_cluster() -> LocalCluster:
+    """One in-process worker, reachable from another process over TCP."""
+    return LocalCluster(
+        n_workers=1,
+        processes=False,
+        protocol="tcp",
+        dashboard_address=":0",
+        silence_logs=logging.ERROR,
+    )
+
+
 def _fill_and_evict(dask_worker) -> int:
     """Move everything the worker holds to its spill tiers."""
     moved = 0
@@ -211,13 +223,7 @@ def _fill_and_evict(dask_worker) -> int:
 
 
 def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy_tmpfs):
-    with LocalCluster(
-        n_workers=1,
-        processes=False,
-        protocol="tcp",  # reachable from another process
-        dashboard_address=":0",
-        silence_logs=logging.ERROR,
-    ) as cluster:
+    with one_worker_cluster() as cluster:
         # Nothing asked for shared memory: the plugin being off is no problem.
         proc = run_info("--root", roomy_tmpfs, "--scheduler", cluster.scheduler_address)
         assert proc.returncode == 0, proc.stdout
@@ -236,13 +242,7 @@ def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy
     budget = 3 * 2**20
     with (
         dask.config.set({"shm.shared-memory.enabled": True, "shm.shared-memory.max-bytes": budget}),
-        LocalCluster(
-            n_workers=1,
-            processes=False,
-            protocol="tcp",
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
+        one_worker_cluster() as cluster,
         Client(cluster) as client,
     ):
         client.register_plugin(SharedMemoryPlugin(roomy_tmpfs))
@@ -260,11 +260,75 @@ def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy
         assert 2 * 2**20 <= w.tier2_bytes <= budget
         assert w.tier3_bytes >= 6 * 2**20
         assert w.tier2_bytes + w.tier3_bytes >= 8 * 2**20
+        shared, disk = w.file_tiers
+        assert (shared.name, shared.number, shared.bytes, shared.budget) == (
+            "shared",
+            2,
+            w.tier2_bytes,
+            budget,
+        )
+        assert (disk.name, disk.number, disk.bytes, disk.budget) == ("disk", 3, w.tier3_bytes, None)
+        assert disk.moves is not None and shared.moves is None
         text = format_info(info)
         assert (
             f"tier 1 (memory) {format_bytes(w.tier1_bytes)}, "
             f"tier 2 (tmpfs) {format_bytes(w.tier2_bytes)} of {format_bytes(budget)} budget, "
-            f"tier 3 (disk) {format_bytes(w.tier3_bytes)}"
+            f"tier 3 (disk) {format_bytes(w.tier3_bytes)}; data "
         ) in text
         assert "plugin" not in {p.kind for p in info.problems}
         client.cancel([*futures, kept])
+
+
+def _on_three_tiers(root: str, middle: str, disk: str, dask_worker) -> None:
+    """Give the worker a buffer with a budgeted middle tier between the
+    tmpfs and the disk, publishing its figures as the plugin does."""
+    from dask_shm.shared import metrics
+    from dask_shm.shared.tiers import TierSpec
+    from dask_shm.worker import install_spill_buffer
+
+    specs = [
+        TierSpec("shared", root, ram=True, registry=True),
+        TierSpec("middle", middle, ram=False),
+        TierSpec("disk", disk, ram=False),
+    ]
+    budgets = {"shared": 3 * 2**20, "middle": 3 * 2**20}
+    buffer = SharedSpillBuffer.on_tiers(
+        0, specs, budgets, min_size=2**16, min_shared_fraction=0.5, name="three"
+    )
+    install_spill_buffer(dask_worker, buffer)
+    metrics.install(dask_worker)
+
+
+def test_a_new_tiers_bytes_are_in_the_workers_line(roomy_tmpfs, tmp_path):
+    """A file tier info was never told of shows, named and numbered, in the
+    per-worker line and in the JSON; the disk behind it is tier 4 now."""
+    middle, disk = tmp_path / "middle", tmp_path / "disk"
+    middle.mkdir()
+    with (
+        one_worker_cluster() as cluster,
+        Client(cluster) as client,
+    ):
+        client.run(_on_three_tiers, roomy_tmpfs, str(middle), str(disk))
+        # 2 MiB each, none kept in memory: tmpfs, middle, then disk twice
+        futures = [client.submit(np.full, 2**18, i, key=f"three-x{i}") for i in range(4)]
+        client.gather(futures)
+        info = collect_info(roomy_tmpfs, cluster.scheduler_address)
+        [w] = info.workers
+        assert [(t.name, t.number, t.budget) for t in w.file_tiers] == [
+            ("shared", 2, 3 * 2**20),
+            ("middle", 3, 3 * 2**20),
+            ("disk", 4, None),
+        ]
+        shared, middle_tier, disk_tier = w.file_tiers
+        assert 2 * 2**20 <= middle_tier.bytes <= 3 * 2**20 and disk_tier.bytes >= 4 * 2**20
+        assert w.tier3_bytes == middle_tier.bytes  # the keys of old are by number
+        assert (
+            f"tier 2 (tmpfs) {format_bytes(shared.bytes)} of 3.00 MiB budget, "
+            f"tier 3 (middle) {format_bytes(middle_tier.bytes)} of 3.00 MiB budget, "
+            f"tier 4 (disk) {format_bytes(disk_tier.bytes)}; data "
+        ) in format_info(info)
+        [worker] = as_json(info)["workers"]
+        assert [t["name"] for t in worker["file_tiers"]] == ["shared", "middle", "disk"]
+        assert worker["file_tiers"][2]["moves"] == 0
+        client.cancel(futures)
+        client.run(lambda dask_worker: dask_worker.data.close())

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import dask
 import numpy as np
@@ -19,6 +20,7 @@ from dask_shm.shared import (
     SharedMemoryPlugin,
     SharedSpillBuffer,
     limits,
+    shm_metrics,
     transfer,
 )
 
@@ -95,6 +97,17 @@ def test_a_third_file_tier_is_one_more_entry(shm_dir, disk_root, tmp_path):
     files.enforce()
     assert sorted(files.tier_of(store.file_of(k)) for k in values) == [3, 3, 4, 4, 4, 4]
     assert files.moved_in == {"shared": 0, "middle": 2, "disk": 2}
+    # The worker's figures name each tier: the middle tier renumbered the
+    # disk (tier 4 now), not its figures; the numbered names of old still
+    # mean the shared tier's budget and the moves into the disk tier.
+    figures = shm_metrics(SimpleNamespace(data=buf))  # type: ignore[arg-type]
+    assert figures["middle_moves"] == 2 and figures["disk_moves"] == 2
+    assert "shared_moves" not in figures and "disk_budget" not in figures
+    assert figures["shared_budget"] == 0 and figures["middle_budget"] == 20 * MiB
+    assert figures["tier3_moves"] == figures["disk_moves"]
+    assert figures["tier2_budget"] == figures["shared_budget"]
+    assert figures["middle_bytes"] == files.tier("middle").store.total()[1] > 0
+    assert figures["disk_bytes"] == files.tier("disk").store.total()[1] > 0
     for k, v in values.items():
         np.testing.assert_array_equal(buf[k], v)
     for k in values:

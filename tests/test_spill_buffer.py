@@ -131,6 +131,8 @@ def test_metric_values_count_real_io(tmp_path):
     assert m["disk-read", "bytes"] >= 8_000
 
 
+# zict's __del__ complains about the buffers whose construction was refused
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_spill_compression_config_is_honoured(tmp_path):
     value = np.zeros(100_000)  # 800 kB of zeros compresses to almost nothing
     with dask.config.set({"distributed.worker.memory.spill-compression": "zlib"}):
@@ -141,6 +143,39 @@ def test_spill_compression_config_is_honoured(tmp_path):
     plain["x"] = value
     assert compressed.spilled_total.disk < 20_000 < plain.spilled_total.disk
     assert (compressed["x"] == 0).all() and (plain["x"] == 0).all()
+    # An invalid setting is refused when the buffer is built, as by stock's.
+    with dask.config.set({"distributed.worker.memory.spill-compression": "nonsense"}):
+        with pytest.raises(ValueError, match="spill-compression"):
+            StockSpillBuffer(str(tmp_path / "stock"), target=1)
+        with pytest.raises(ValueError, match="spill-compression"):
+            SpillBuffer(str(tmp_path / "bad"), target=1)
+
+
+def test_the_store_compresses_as_told_not_as_configured(tmp_path, shm_dir):
+    """The config is read by the buffer that builds a store, never by a
+    store: a store is told its codec, and a shared-mode buffer (whose
+    mapped files are never compressed) does not care what is configured."""
+    from dask_shm.shared import SharedSpillBuffer
+    from dask_shm.spill_store import SpillStore
+
+    value = np.zeros(100_000)
+    with dask.config.set({"distributed.worker.memory.spill-compression": "nonsense"}):
+        told = SpillStore(str(tmp_path / "told"), compression="zlib")
+        untold = SpillStore(str(tmp_path / "untold"))
+        shared = SharedSpillBuffer.create(
+            1,
+            root=shm_dir,
+            disk_root=str(tmp_path / "disk"),
+            budget="1 MiB",
+            min_size=0,
+            min_shared_fraction=0.5,
+        )
+    told["x"] = untold["x"] = value
+    assert told.total_weight.disk < 20_000 < untold.total_weight.disk
+    assert (told["x"] == 0).all() and (untold["x"] == 0).all()
+    shared["x"] = value
+    assert shared.spilled_total.disk > 800_000 and (shared["x"] == 0).all()
+    shared.close()
 
 
 def test_many_value_types_round_trip(tmp_path):

@@ -389,6 +389,17 @@ def worker_memory_fractions() -> tuple[float | Literal[False], float | Literal[F
     return values[0], values[1]
 
 
+def spill_compression() -> str | None:
+    """``distributed.worker.memory.spill-compression`` as distributed resolves
+    it (``auto`` becomes the best codec installed here; None or False: none).
+
+    Raises ValueError naming the key and the accepted values.
+    """
+    from distributed.protocol.compression import get_compression_settings
+
+    return get_compression_settings("distributed.worker.memory.spill-compression")
+
+
 def multiprocessing_defaults() -> dict[str, object]:
     """What ``dask.multiprocessing.get`` reads from dask's config when not
     given: ``chunksize`` (1), ``pool``, ``multiprocessing.initializer`` and

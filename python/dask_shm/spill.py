@@ -18,7 +18,7 @@ from distributed.spill import SpilledSize
 
 from dask_shm._core import SpillFileError
 from dask_shm.charged_lru import ChargedLRU
-from dask_shm.config import byte_size, spill_limit, spill_recycle_bytes
+from dask_shm.config import byte_size, spill_compression, spill_limit, spill_recycle_bytes
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, SpillStore
 
 # Stock's logger, messages and rate limits (distributed.spill installs its
@@ -125,9 +125,11 @@ class SpillBuffer(zict.Buffer[Key, object]):
     ):
         """The parts (keyword-only, for buffers built on this class) default
         to stock's: ``store`` holds the spilled values (default: a
-        :class:`SpillStore` in ``spill_directory``, behind a weak-value
-        cache; given, ``spill_directory``, ``max_spill`` and ``recycle_bytes``
-        are its business and must be left at None, False and None),
+        :class:`SpillStore` in ``spill_directory``, its frames compressed
+        as ``distributed.worker.memory.spill-compression`` says when the
+        buffer is built, behind a weak-value cache; given,
+        ``spill_directory``, ``max_spill`` and ``recycle_bytes`` are its
+        business and must be left at None, False and None),
         ``weight`` measures a value in memory (default ``sizeof``),
         ``charge`` returns bytes held outside the values that count against
         ``target`` too (at most half of it, see :class:`ChargedLRU`)."""
@@ -157,6 +159,8 @@ class SpillBuffer(zict.Buffer[Key, object]):
                 metrics=self.cumulative_metrics,
                 mapped=memmap,
                 recycle_bytes=recycle,
+                # read here, as stock's SpillBuffer does when it is built
+                compression=spill_compression(),
             )
             # A value still referenced elsewhere since its last unspill is served
             # from the weak-value cache instead of being read (and held) twice.

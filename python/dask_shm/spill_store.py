@@ -20,7 +20,7 @@ from urllib.parse import quote
 import msgpack
 from dask.typing import Key
 from distributed.metrics import context_meter
-from distributed.protocol.compression import decompress, get_compression_settings
+from distributed.protocol.compression import decompress
 from distributed.protocol.serialize import (
     merge_and_deserialize,
     serialize,
@@ -172,13 +172,18 @@ class SpillStore(MutableMapping[Key, object]):
         metrics: defaultdict[tuple[str, str], float] | None = None,
         mapped: bool = False,
         recycle_bytes: int = 0,
+        compression: str | None = None,
     ):
         """Values go to ``files``: a spill directory (str or path-like; a
         :class:`~dask_shm._core.FileStore` is opened there) or any
         :class:`SpillFiles`; at most ``max_weight`` bytes on disk; ``mapped``:
         unspill through a private mapping; ``recycle_bytes``: bytes of removed
         entries' files kept for reuse in a directory opened here (never when
-        ``mapped``). Raises OSError if a directory cannot be made."""
+        ``mapped``); ``compression``: the name of the distributed codec that
+        compresses the frames (``"lz4"``, ``"zlib"``, ...; None: none; unused
+        when ``mapped``, whose frames are mapped as written; see
+        :func:`dask_shm.config.spill_compression`). Raises OSError if a
+        directory cannot be made."""
         if isinstance(files, (str, os.PathLike)):
             # Recycling overwrites files of removed entries (recycle_bytes of them
             # at most): only safe when no value is ever a mapping of its file.
@@ -190,7 +195,7 @@ class SpillStore(MutableMapping[Key, object]):
         self._register_lock = threading.Lock()
         self.weight_by_key = _WeightByKey(self)
         self.cumulative_metrics = metrics if metrics is not None else defaultdict(float)
-        self._compression = get_compression_settings("distributed.worker.memory.spill-compression")
+        self._compression = compression
 
     @property
     def directory(self) -> str:

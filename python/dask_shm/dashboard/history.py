@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from dask_shm.shared.metrics import TierFigures, file_tiers
+
 if TYPE_CHECKING:
     from distributed import Scheduler
 
@@ -28,25 +30,30 @@ class Sample(NamedTuple):
     private: float
     #: Private bytes of values in memory (tier 1).
     tier1: float
-    #: Bytes of shared-memory files on the tmpfs (tier 2), and their budget.
-    tier2: float
-    budget: float
-    #: Bytes of files on a real file system (tier 3).
-    tier3: float
     #: Bytes sent to peers by hard link, and as bytes (TCP), since start.
     link: float
     tcp: float
+    #: The worker's file tiers, fastest first (by default ``shared``, tier 2,
+    #: the shared-memory files on the tmpfs, then ``disk``, tier 3): bytes,
+    #: budget; none for a worker not in shared-memory mode.
+    files: tuple[TierFigures, ...] = ()
+
+    def figures(self) -> dict[str, float]:
+        """The sample as the page's columns: ``private``, ``tier1``,
+        ``tier<n>`` and ``tier<n>_budget`` of each file tier (the latter
+        if it has a budget), ``link``, ``tcp``."""
+        out = {"private": self.private, "tier1": self.tier1}
+        for tier in self.files:
+            out[f"tier{tier.number}"] = float(tier.bytes)
+            if tier.budget is not None:
+                out[f"tier{tier.number}_budget"] = float(tier.budget)
+        out["link"], out["tcp"] = self.link, self.tcp
+        return out
 
 
-#: Sample field -> key of ``metrics["shm"]`` it comes from.
-_SHM_KEYS = {
-    "tier1": "memory_bytes",
-    "tier2": "shared_bytes",
-    "budget": "tier2_budget",
-    "tier3": "disk_bytes",
-    "link": "link_bytes",
-    "tcp": "tcp_bytes",
-}
+#: Sample field -> key of ``metrics["shm"]`` it comes from (the file tiers
+#: are read by :func:`~dask_shm.shared.metrics.file_tiers`).
+_SHM_KEYS = {"tier1": "memory_bytes", "link": "link_bytes", "tcp": "tcp_bytes"}
 
 
 def sample_of(metrics: Mapping[str, Any], now: float) -> Sample:
@@ -54,7 +61,12 @@ def sample_of(metrics: Mapping[str, Any], now: float) -> Sample:
     for figures it does not carry (a worker not in shared-memory mode)."""
     shm = metrics.get("shm") or {}
     figures = {field: float(shm.get(key, 0.0)) for field, key in _SHM_KEYS.items()}
-    return Sample(time=now, private=float(metrics.get("memory", 0.0)), **figures)
+    return Sample(
+        time=now,
+        private=float(metrics.get("memory", 0.0)),
+        files=tuple(file_tiers(shm)),
+        **figures,
+    )
 
 
 class ShmHistory:

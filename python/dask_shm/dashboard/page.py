@@ -2,8 +2,9 @@
 
 One row per worker in a table of its current figures, and one line per worker
 in each plot over time: private memory; bytes in tier 1 (values in private
-memory), tier 2 (shared-memory files; dashed: the budget) and tier 3 (disk);
-bytes sent to peers by hard link and as bytes over TCP. Data come from a
+memory) and in each file tier the workers report (by default tier 2, the
+shared-memory files, and tier 3, the disk; dashed: a tier's budget); bytes
+sent to peers by hard link and as bytes over TCP. Data come from a
 :class:`~dask_shm.dashboard.history.ShmHistory`; the page redraws every
 ``update_ms``. Models the page's data live in carry a ``name`` (``shm-history``,
 ``shm-current``, ``shm-<plot>``) so tools and tests can find them in the
@@ -27,35 +28,49 @@ from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 from dask.utils import format_bytes
 
+from dask_shm.shared.tiers import titles
+
 if TYPE_CHECKING:
     from bokeh.document import Document
     from distributed import Scheduler
 
     from dask_shm.dashboard.history import ShmHistory
 
-#: Plot name -> (title, sample fields drawn: solid, then dashed).
-PLOTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "private": ("Private memory (process memory without shared pages)", ("private",)),
-    "tier1": ("Tier 1: values in private memory", ("tier1",)),
-    "tier2": ("Tier 2: shared-memory files (dashed: budget)", ("tier2", "budget")),
-    "tier3": ("Tier 3: files on disk", ("tier3",)),
-    "link": ("Sent to peers by hard link (since start)", ("link",)),
-    "tcp": ("Sent to peers as bytes over TCP (since start)", ("tcp",)),
-}
+#: Tier number -> (its name, whether it has a budget): the file tiers the
+#: page shows.
+Tiers = dict[int, tuple[str, bool]]
 
-#: Table column -> header.
-COLUMNS = {
-    "worker": "Worker",
-    "private": "Private memory",
-    "tier1": "Tier 1 (memory)",
-    "tier2": "Tier 2 (shared)",
-    "budget": "Tier 2 budget",
-    "tier3": "Tier 3 (disk)",
-    "link": "Sent by link",
-    "tcp": "Sent over TCP",
-}
 
-_FIELDS = ("private", "tier1", "tier2", "budget", "tier3", "link", "tcp")
+def plots(tiers: Tiers) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Plot name -> (title, sample fields drawn: solid, then dashed), one
+    plot per file tier in ``tiers`` between tier 1's and the transfers'."""
+    out: dict[str, tuple[str, tuple[str, ...]]] = {
+        "private": ("Private memory (process memory without shared pages)", ("private",)),
+        "tier1": ("Tier 1: values in private memory", ("tier1",)),
+    }
+    for number, (name, budgeted) in sorted(tiers.items()):
+        title = f"Tier {number}: {titles(name)[1]}"
+        fields: tuple[str, ...] = (f"tier{number}",)
+        if budgeted:
+            title += " (dashed: budget)"
+            fields += (f"tier{number}_budget",)
+        out[f"tier{number}"] = (title, fields)
+    out["link"] = ("Sent to peers by hard link (since start)", ("link",))
+    out["tcp"] = ("Sent to peers as bytes over TCP (since start)", ("tcp",))
+    return out
+
+
+def columns(tiers: Tiers) -> dict[str, str]:
+    """Table column -> header (the columns are the sample fields, see
+    :meth:`~dask_shm.dashboard.history.Sample.figures`, after ``worker``)."""
+    out = {"worker": "Worker", "private": "Private memory", "tier1": "Tier 1 (memory)"}
+    for number, (name, budgeted) in sorted(tiers.items()):
+        out[f"tier{number}"] = f"Tier {number} ({name})"
+        if budgeted:
+            out[f"tier{number}_budget"] = f"Tier {number} budget"
+    out["link"] = "Sent by link"
+    out["tcp"] = "Sent over TCP"
+    return out
 
 
 #: The worker cell: a square of the worker's colour in the plots, then its address.
@@ -64,88 +79,109 @@ _WORKER_CELL = '<span style="color: <%= color %>">&#9632;</span> <%= value %>'
 
 class ShmPage:
     """The page's models and their update from ``history``. Each page load
-    builds its own (a Bokeh model belongs to one document)."""
+    builds its own (a Bokeh model belongs to one document). The file tiers
+    shown are those the workers have reported since the page was built: a
+    tier first reported later gets its plot and columns then."""
 
     def __init__(self, history: ShmHistory, **figure_kwargs: Any):
         self.history = history
+        self._figure_kwargs = figure_kwargs
+        #: the file tiers shown
+        self.tiers: Tiers = {}
         self.history_source = ColumnDataSource(
-            {"worker": [], "color": [], "time": [], **{f: [] for f in _FIELDS}},
-            name="shm-history",
+            {"worker": [], "color": [], "time": []}, name="shm-history"
         )
-        self.current_source = ColumnDataSource(
-            {"color": [], **{c: [] for c in COLUMNS}}, name="shm-current"
-        )
-        x_range = DataRange1d(range_padding=0)
-        self.figures = {}
-        for name, (title, fields) in PLOTS.items():
-            fig = figure(
-                title=title,
-                name=f"shm-{name}",
-                x_axis_type="datetime",
-                x_range=x_range,
-                height=260,
-                tools="reset,xpan,xwheel_zoom,save",
-                **figure_kwargs,
-            )
-            for field, dash in zip(fields, ("solid", "dashed"), strict=False):
-                fig.multi_line(
-                    xs="time",
-                    ys=field,
-                    line_color="color",
-                    line_dash=dash,
-                    line_width=2,
-                    source=self.history_source,
-                )
-            fig.add_tools(HoverTool(tooltips=[("worker", "@worker")], line_policy="nearest"))
-            fig.yaxis[0].ticker = AdaptiveTicker(  # powers of two, as distributed's memory plots
-                base=1024, mantissas=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-            )
-            fig.yaxis[0].formatter = NumeralTickFormatter(format="0.0 b")
-            fig.y_range.start = 0  # type: ignore[attr-defined]
-            fig.xgrid.visible = False
-            self.figures[name] = fig
+        self.current_source = ColumnDataSource({"color": []}, name="shm-current")
+        self._x_range = DataRange1d(range_padding=0)
+        self.figures: dict[str, Any] = {}
         self.table = DataTable(
             source=self.current_source,
-            # The worker's colour in the plots (no legend: the table is one).
-            columns=[
-                TableColumn(
-                    field=c, title=t, formatter=HTMLTemplateFormatter(template=_WORKER_CELL)
-                )
-                if c == "worker"
-                else TableColumn(field=c, title=t)
-                for c, t in COLUMNS.items()
-            ],
+            columns=[],
             index_position=None,
             height=120,
             sizing_mode="stretch_width",
             name="shm-table",
         )
-        header = Div(
+        self._header = Div(
             text="<h3>Shared memory by worker</h3>"
             "<p>Bytes each worker holds in each tier and sends to its peers, from its "
             "heartbeats (dask-shm).</p>",
             sizing_mode="stretch_width",
         )
+        self.root = column(self._header, self.table, sizing_mode="stretch_width")
+        self.update()
+
+    def _figure(self, name: str, title: str, fields: tuple[str, ...]) -> Any:
+        fig = figure(
+            title=title,
+            name=f"shm-{name}",
+            x_axis_type="datetime",
+            x_range=self._x_range,
+            height=260,
+            tools="reset,xpan,xwheel_zoom,save",
+            **self._figure_kwargs,
+        )
+        for field, dash in zip(fields, ("solid", "dashed"), strict=False):
+            fig.multi_line(
+                xs="time",
+                ys=field,
+                line_color="color",
+                line_dash=dash,
+                line_width=2,
+                source=self.history_source,
+            )
+        fig.add_tools(HoverTool(tooltips=[("worker", "@worker")], line_policy="nearest"))
+        fig.yaxis[0].ticker = AdaptiveTicker(  # powers of two, as distributed's memory plots
+            base=1024, mantissas=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+        )
+        fig.yaxis[0].formatter = NumeralTickFormatter(format="0.0 b")
+        fig.y_range.start = 0  # type: ignore[attr-defined]
+        fig.xgrid.visible = False
+        return fig
+
+    def _lay_out(self) -> None:
+        """(Re)build the plots and the table's columns for :attr:`tiers`."""
+        self.figures = {
+            name: self._figure(name, title, fields)
+            for name, (title, fields) in plots(self.tiers).items()
+        }
+        # The worker's colour in the plots (no legend: the table is one).
+        self.table.columns = [
+            TableColumn(field=c, title=t, formatter=HTMLTemplateFormatter(template=_WORKER_CELL))
+            if c == "worker"
+            else TableColumn(field=c, title=t)
+            for c, t in columns(self.tiers).items()
+        ]
         grid = gridplot(list(self.figures.values()), ncols=2, sizing_mode="stretch_width")
-        self.root = column(header, self.table, grid, sizing_mode="stretch_width")
+        self.root.children = [self._header, self.table, grid]
 
     def update(self) -> None:
         """Redraw from the history as it is now."""
         samples = self.history.samples()
+        tiers = dict(self.tiers)
+        for series in samples.values():
+            for tier in series[-1].files if series else ():
+                # as last reported (a budget once seen stays drawn)
+                name, budgeted = tiers.get(tier.number, (tier.name, False))
+                budgeted = budgeted and name == tier.name
+                tiers[tier.number] = (tier.name, budgeted or tier.budget is not None)
+        fields = [c for c in columns(tiers) if c != "worker"]
         workers = list(samples)
         colors = [Category10_10[i % len(Category10_10)] for i in range(len(workers))]
         history: dict[str, list[Any]] = {"worker": workers, "color": colors}
         history["time"] = [[s.time * 1000 for s in samples[w]] for w in workers]
-        for field in _FIELDS:
-            history[field] = [[getattr(s, field) for s in samples[w]] for w in workers]
+        figures = {w: [s.figures() for s in samples[w]] for w in workers}
+        for field in fields:
+            history[field] = [[f.get(field, 0.0) for f in figures[w]] for w in workers]
+        current: dict[str, list[str]] = {"color": colors, "worker": workers}
+        for field in fields:
+            current[field] = [format_bytes(int(figures[w][-1].get(field, 0.0))) for w in workers]
+        # The data first: the plots of new tiers read their columns.
         self.history_source.data = history
-        current: dict[str, list[str]] = {"color": colors, **{c: [] for c in COLUMNS}}
-        for w in workers:
-            last = samples[w][-1]
-            current["worker"].append(w)
-            for field in _FIELDS:
-                current[field].append(format_bytes(int(getattr(last, field))))
         self.current_source.data = current
+        if tiers != self.tiers or not self.figures:
+            self.tiers = tiers
+            self._lay_out()
 
 
 def shm_doc(
@@ -162,7 +198,6 @@ def shm_doc(
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
     page = ShmPage(history)
-    page.update()
     add_periodic_callback(doc, page, update_ms)
     doc.title = "Dask: Shared Memory"
     doc.add_root(page.root)

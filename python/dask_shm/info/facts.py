@@ -34,6 +34,7 @@ from dask_shm.config import (
 )
 from dask_shm.preload import preloaded_plugins
 from dask_shm.shared.limits import summary
+from dask_shm.shared.metrics import TierFigures, file_tiers
 from dask_shm.shared.paths import (
     UnusableRoot,
     filesystem_of,
@@ -70,10 +71,15 @@ class WorkerInfo:
     requested: bool | None = None
     #: What the worker publishes in ``get_metrics()["shm"]``
     #: (:func:`dask_shm.shared.metrics.shm_metrics`): private bytes of values
-    #: in memory (tier 1, ``memory_bytes``), bytes in tier 2 (``shared_bytes``,
-    #: tmpfs), tier 3 (``disk_bytes``) and the tier-2 budget; None when the
-    #: worker publishes none (plugin off).
+    #: in memory (tier 1, ``memory_bytes``; None when the worker publishes
+    #: none: plugin off) and each file tier's name, number, bytes, budget
+    #: and moves in (:func:`dask_shm.shared.metrics.file_tiers`), fastest
+    #: first (by default ``shared``, tier 2, on the tmpfs, then ``disk``).
     tier1_bytes: int | None = None
+    file_tiers: list[TierFigures] = field(default_factory=list)
+    #: The bytes of the file tiers numbered 2 and 3 and the budget of tier 2
+    #: (None if there is no such tier), from ``file_tiers``: the keys of
+    #: the JSON from when there were always two file tiers.
     tier2_bytes: int | None = None
     tier3_bytes: int | None = None
     tier2_budget: int | None = None
@@ -326,17 +332,21 @@ def ask_workers(address: str, timeout: float) -> tuple[str | None, list[WorkerIn
             workers.append(WorkerInfo(worker, None, None, error))
         else:
             figures = result.get("metrics") or {}
-            figure = {k: int(v) for k, v in figures.items()}.get
+            tiers = file_tiers(figures)
+            numbered = {tier.number: tier for tier in tiers}
+            tier2, tier3 = numbered.get(FIRST_FILE_TIER), numbered.get(FIRST_FILE_TIER + 1)
+            memory = figures.get("memory_bytes")
             workers.append(
                 WorkerInfo(
                     worker,
                     result["plugin_active"],
                     result["data_class"],
                     requested=result.get("requested"),
-                    tier1_bytes=figure("memory_bytes"),
-                    tier2_bytes=figure("shared_bytes"),
-                    tier3_bytes=figure("disk_bytes"),
-                    tier2_budget=figure("tier2_budget"),
+                    tier1_bytes=None if memory is None else int(memory),
+                    file_tiers=tiers,
+                    tier2_bytes=None if tier2 is None else tier2.bytes,
+                    tier3_bytes=None if tier3 is None else tier3.bytes,
+                    tier2_budget=None if tier2 is None else tier2.budget,
                 )
             )
     return None, workers

@@ -12,6 +12,7 @@ from dask.utils import format_bytes
 
 from dask_shm.info.checks import TYPICAL_VALUE_BYTES, expected_mappings, worker_map_budget
 from dask_shm.info.facts import HostInfo, WorkerInfo
+from dask_shm.shared.tiers import titles
 
 
 def _bytes(value: int | None) -> str:
@@ -50,12 +51,13 @@ def _worker_state(w: WorkerInfo) -> str:
         state = "shared-memory plugin NOT active though shm.shared-memory.enabled is true"
     else:
         state = "shared-memory plugin off (shm.shared-memory.enabled is false there)"
-    if w.tier2_bytes is not None:
-        state += (
-            f"; tier 1 (memory) {_bytes(w.tier1_bytes)}, "
-            f"tier 2 (tmpfs) {format_bytes(w.tier2_bytes)} of "
-            f"{_bytes(w.tier2_budget)} budget, tier 3 (disk) {_bytes(w.tier3_bytes)}"
-        )
+    if w.tier1_bytes is not None:
+        tiers = [f"tier 1 (memory) {format_bytes(w.tier1_bytes)}"]
+        for tier in w.file_tiers:
+            budget = "" if tier.budget is None else f" of {format_bytes(tier.budget)} budget"
+            word = titles(tier.name)[0]
+            tiers.append(f"tier {tier.number} ({word}) {format_bytes(tier.bytes)}{budget}")
+        state += "; " + ", ".join(tiers)
     return f"{state}; data {w.data_class}"
 
 

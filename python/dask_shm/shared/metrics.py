@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from dask_shm.config import prometheus_namespace
@@ -51,9 +52,12 @@ COUNTERS = (
 _DESCRIPTIONS = {
     "memory_bytes": "Private bytes of this worker's values in memory (tier 1)",
     "shared_bytes": "Bytes of this worker's data in shared-memory files (1/k per holder)",
-    "disk_bytes": "Bytes of this worker's files in tier 3 (a real file system)",
-    "tier2_budget": "Bytes of shared-memory files this worker keeps before moving to disk",
-    "tier3_moves": "Files moved from shared memory to disk (tier 3)",
+    "disk_bytes": "Bytes of this worker's files on a real file system (the disk tier)",
+    "shared_budget": "Bytes of shared-memory files this worker keeps before moving them on",
+    "disk_moves": "Files moved into the disk tier",
+    # the two above under the names they had when tiers were numbered
+    "tier2_budget": "Bytes of shared-memory files this worker keeps before moving them on",
+    "tier3_moves": "Files moved into the disk tier",
     "pending_arrivals": "Files received from peers whose value is not stored yet",
     "retained_keys": "Keys in memory backed by a shared-memory file",
     "link_transfers": "Keys sent to same-host peers as hard-link handles",
@@ -101,19 +105,67 @@ def shm_metrics(dask_worker: Worker) -> dict[str, float]:
     return out
 
 
+#: Figures once named by tier number -> the figure they copy, named after
+#: the tier: they keep meaning the shared-memory tier's budget and the moves
+#: into the disk tier wherever those tiers are in the list.
+NUMBERED_NAMES = {"tier2_budget": "shared_budget", "tier3_moves": "disk_moves"}
+
+
 def tier_figures(files: TieredFiles) -> dict[str, float]:
-    """Per file tier: ``<name>_bytes`` (its files' bytes that count for this
-    worker, 1/k of a file with k links), ``tier<n>_budget`` for a tier with a
-    budget and ``tier<n>_moves`` (files moved into it) for every tier after
-    the first."""
+    """Per file tier, named after it (:attr:`~dask_shm.shared.tiers.TierSpec.name`,
+    so that inserting a tier renames no other tier's figures):
+    ``<name>_tier`` (its number, 2 for the first file tier: what tells
+    readers, see :func:`file_tiers`, which tiers there are and in which
+    order), ``<name>_bytes`` (its files' bytes that count for this worker,
+    1/k of a file with k links), ``<name>_budget`` for a tier with a budget
+    and ``<name>_moves`` (files moved into it) for every tier after the
+    first; plus :data:`NUMBERED_NAMES`."""
     out = {}
     for index, tier in enumerate(files.tiers):
+        out[f"{tier.name}_tier"] = float(tier.number)
         out[f"{tier.name}_bytes"] = float(tier.store.total()[1])
         if tier.budget is not None:
-            out[f"tier{tier.number}_budget"] = float(tier.budget.limit)
+            out[f"{tier.name}_budget"] = float(tier.budget.limit)
         if index > 0:
-            out[f"tier{tier.number}_moves"] = float(files.moved_in[tier.name])
+            out[f"{tier.name}_moves"] = float(files.moved_in[tier.name])
+    out.update({old: out[new] for old, new in NUMBERED_NAMES.items() if new in out})
     return out
+
+
+@dataclass(frozen=True)
+class TierFigures:
+    """One file tier's figures, as a worker publishes them (:func:`tier_figures`)."""
+
+    name: str
+    #: its place: 2 for the first file tier (tier 1 is private memory)
+    number: int
+    bytes: int
+    #: None: the tier has no budget (the last one)
+    budget: int | None = None
+    #: files moved into it; None for the first file tier
+    moves: int | None = None
+
+
+def file_tiers(figures: Mapping[str, float]) -> list[TierFigures]:
+    """The file tiers in a worker's ``figures`` (:func:`shm_metrics`, or what
+    its heartbeats sent), fastest first: what ``dask shm info`` and the
+    dashboard show, whatever the tiers are."""
+    found = []
+    for key, number in figures.items():
+        if not key.endswith("_tier"):
+            continue
+        name = key.removesuffix("_tier")
+        budget, moves = (figures.get(f"{name}_{what}") for what in ("budget", "moves"))
+        found.append(
+            TierFigures(
+                name,
+                int(number),
+                int(figures.get(f"{name}_bytes", 0)),
+                None if budget is None else int(budget),
+                None if moves is None else int(moves),
+            )
+        )
+    return sorted(found, key=lambda tier: tier.number)
 
 
 _workers: weakref.WeakSet[Worker] = weakref.WeakSet()

@@ -63,7 +63,9 @@ FIRST_FILE_TIER = 2
 class TierSpec:
     """Where a file tier lives and what its files are, from settings.
 
-    ``name`` names its figures (``<name>_bytes`` in the worker's metrics);
+    ``name`` names its figures (``<name>_bytes``, ``<name>_budget``,
+    ``<name>_moves`` in the worker's metrics, see
+    :func:`~dask_shm.shared.metrics.tier_figures`);
     ``ram``: its files are RAM (a tmpfs): they count in the worker's memory
     and a value mapping one costs only its private bytes; ``linkable``: its
     files may be handed to same-host peers by hard link (its root then gets
@@ -94,11 +96,26 @@ def tier_specs(root: str, disk_root: str) -> list[TierSpec]:
     the shared-memory tmpfs ``root`` (tier 2), then ``disk_root`` on a real
     file system (tier 3). A new tier is a new entry here and in
     :func:`tiers_of` (its root and budget new settings) plus, if it is not a
-    directory of files, its store in :func:`open_tiers`."""
+    directory of files, its store in :func:`open_tiers`, and optionally what
+    people read for it in :data:`TITLES`."""
     return [
         TierSpec("shared", root, ram=True, registry=True),
         TierSpec("disk", disk_root, ram=False),
     ]
+
+
+#: How ``dask shm info`` (a word) and the dashboard (a phrase) call a tier's
+#: files, by tier name; a tier not listed is called by its name (see
+#: :func:`titles`).
+TITLES: dict[str, tuple[str, str]] = {
+    "shared": ("tmpfs", "shared-memory files"),
+    "disk": ("disk", "files on disk"),
+}
+
+
+def titles(name: str) -> tuple[str, str]:
+    """(word, phrase) that people read for the tier called ``name``."""
+    return TITLES.get(name, (name, f"{name} files"))
 
 
 def tiers_of(settings: _Roots, root: str | None = None) -> list[TierSpec]:
