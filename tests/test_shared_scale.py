@@ -187,6 +187,56 @@ def test_many_shared_keys_are_correct_and_stay_shared_files(shared_cluster):
     del values, sums
 
 
+def _record_export_threads(dask_worker: Worker) -> None:
+    import threading
+
+    data = dask_worker.data
+    threads: list[str] = []
+    export = data.export
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return export(*args, **kwargs)
+
+    data.export = recorded
+    dask_worker._shm_export_threads = threads  # type: ignore[attr-defined]
+
+
+def _export_threads(dask_worker: Worker) -> list[str]:
+    data = dask_worker.data
+    del data.export  # the instance attribute: back to the method
+    return dask_worker._shm_export_threads  # type: ignore[attr-defined]
+
+
+def total_of(*values: np.ndarray) -> float:
+    return float(sum(v[0] for v in values))
+
+
+def test_a_large_batch_is_written_out_off_the_event_loop(shared_cluster):
+    """A peer fetching many values at once: the sender writes them out and
+    links them in distributed's offload thread, not on its event loop (where
+    a batch of small values would block it for tens of ms); a single value
+    is swapped in place. Results are the values sent."""
+    from dask_shm.shared.sender import OFFLOAD_KEYS
+
+    client = shared_cluster
+    a, b = worker_addresses(client)[:2]
+    client.run(_record_export_threads, workers=[a])
+    n = 4 * OFFLOAD_KEYS
+    many = [client.submit(make_value, i, workers=[a], pure=False) for i in range(n)]
+    one = client.submit(make_value, n, workers=[a], pure=False)
+    wait([*many, one])
+    assert client.submit(total_of, *many, workers=[b], pure=False).result() == sum(range(n))
+    assert client.submit(total_of, one, workers=[b], pure=False).result() == n
+    threads = client.run(_export_threads, workers=[a])[a]
+    assert len(threads) == n + 1, threads
+    assert all(t.startswith("Dask-Offload") for t in threads[:n]), threads
+    assert threads[n] == "MainThread", threads  # the worker's event loop
+    links = client.run(lambda dask_worker: dask_worker.data.shm_counters["link_transfers"])
+    assert links[a] >= n + 1, links
+    del many, one
+
+
 class _CountingScandir:
     """``os.scandir`` that counts the directory entries it yields."""
 

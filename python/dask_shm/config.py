@@ -389,6 +389,20 @@ def worker_memory_fractions() -> tuple[float | Literal[False], float | Literal[F
     return values[0], values[1]
 
 
+def comm_offload_bytes() -> int | None:
+    """``distributed.comm.offload``: the message size above which distributed
+    serializes a message in its offload thread rather than on the event loop
+    (None: it never does). An unreadable value counts as None, as that
+    setting's own readers would fail first."""
+    value = dask.config.get("distributed.comm.offload", default=False)
+    if value is False or value is None:
+        return None
+    try:
+        return int(parse_bytes(value)) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def spill_compression() -> str | None:
     """``distributed.worker.memory.spill-compression`` as distributed resolves
     it (``auto`` becomes the best codec installed here; None or False: none).

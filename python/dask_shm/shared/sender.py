@@ -18,6 +18,12 @@ and so does everyone over a comm that does not serialize messages
 (``inproc://``): there a handle would reach the receiver as an object, not as
 the value it names (see :mod:`dask_shm.shared.guard`).
 
+Writing a batch's values out and linking them runs in distributed's offload
+thread (as distributed serializes a large message there) when the batch is
+over ``distributed.comm.offload`` bytes or holds more than
+:data:`OFFLOAD_KEYS` values, so that it does not block the worker's event
+loop; a small batch is swapped in place (a thread hand-over would cost more).
+
 For everyone, a key whose spilled file vanished or was tampered with fails
 the request with :class:`~dask_shm.shared.transfer.PeerReadError` naming it
 (not the store's SpillFileError, an OSError the requester would take for a
@@ -35,8 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import context_meter
 from distributed.protocol.serialize import Serialize, to_serialize
+from distributed.utils import offload
 
 from dask_shm._core import SpillFileError
+from dask_shm.config import comm_offload_bytes
 from dask_shm.shared.guard import comm_serializes
 from dask_shm.shared.registry import PeerRegistry
 from dask_shm.shared.transfer import PeerReadError
@@ -48,15 +56,30 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: A batch of more values than this is swapped in the offload thread whatever
+#: its bytes: each value still in memory costs a file written, sealed and
+#: linked (about 0.25 ms for a 72 KiB value on a 2-core box), so many small
+#: values block the loop longer than their bytes suggest.
+OFFLOAD_KEYS = 16
+
 
 class _HandleSwappingComm:
-    """Delegates to ``comm``; ``write`` replaces values by handles."""
+    """Delegates to ``comm``; ``write`` replaces values by handles, in the
+    offload thread for a batch over ``offload_bytes`` (None: never by bytes)
+    or :data:`OFFLOAD_KEYS` values."""
 
-    def __init__(self, comm: Any, buffer: SharedSpillBuffer, tiers: frozenset[int]):
+    def __init__(
+        self,
+        comm: Any,
+        buffer: SharedSpillBuffer,
+        tiers: frozenset[int],
+        offload_bytes: int | None,
+    ):
         self._comm = comm
         self._buffer = buffer
         #: the tiers whose files the receiver can link
         self._tiers = tiers
+        self._offload_bytes = offload_bytes
         self.links: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -64,8 +87,18 @@ class _HandleSwappingComm:
 
     async def write(self, msg: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(msg, dict) and msg.get("status") == "OK" and "data" in msg:
-            msg = {**msg, "data": self._swap(msg["data"])}
+            data = msg["data"]
+            swapped = await offload(self._swap, data) if self._offloads(data) else self._swap(data)
+            msg = {**msg, "data": swapped}
         return await self._comm.write(msg, *args, **kwargs)
+
+    def _offloads(self, data: dict) -> bool:
+        if len(data) > OFFLOAD_KEYS:
+            return True
+        if self._offload_bytes is None:
+            return False
+        values = (w.data if isinstance(w, Serialize) else w for w in data.values())
+        return sum(_nbytes(v) for v in values) > self._offload_bytes
 
     def _swap(self, data: dict) -> dict:
         counters = self._buffer.shm_counters
@@ -121,6 +154,7 @@ def install_get_data(
     names them, so hiding one would change what the worker sends.
     """
     original: GetData = worker.handlers["get_data"]
+    offload_bytes = comm_offload_bytes()
 
     @functools.wraps(original)
     async def get_data(comm: Any, keys: Any = (), who: str | None = None, **kwargs: Any) -> Any:
@@ -139,7 +173,7 @@ def install_get_data(
             tiers = frozenset(t for t, token in root_tokens.items() if token in shared)
         if not tiers:
             return await original(comm, keys=keys, who=who, **kwargs)
-        proxy = _HandleSwappingComm(comm, buffer, tiers)
+        proxy = _HandleSwappingComm(comm, buffer, tiers, offload_bytes)
         try:
             return await original(proxy, keys=keys, who=who, **kwargs)
         finally:
