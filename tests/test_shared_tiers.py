@@ -108,6 +108,13 @@ def test_a_third_file_tier_is_one_more_entry(shm_dir, disk_root, tmp_path):
     assert figures["tier2_budget"] == figures["shared_budget"]
     assert figures["middle_bytes"] == files.tier("middle").store.total()[1] > 0
     assert figures["disk_bytes"] == files.tier("disk").store.total()[1] > 0
+    for k in values:
+        # the path of each file, in whichever tier it is, is its tier store's
+        name = store.file_of(k)
+        tier = files.tiers[files.tier_of(name) - 2]
+        path = files.path(name)
+        assert os.path.dirname(path) == str(tier.store.directory), (path, tier.name)
+        assert os.path.isfile(path) and store.path(k) == path
     for k, v in values.items():
         np.testing.assert_array_equal(buf[k], v)
     for k in values:

@@ -142,8 +142,11 @@ class FileTier:
     ram: bool
     linkable: bool
 
-    @property
+    @functools.cached_property
     def directory(self) -> str:
+        # Remembered: paths are built from it at every write and export, and
+        # the store's directory never changes (building a pathlib.Path each
+        # time cost several microseconds).
         return str(self.store.directory)
 
 
@@ -473,7 +476,7 @@ class TieredFiles:
 
     def path(self, name: str) -> str:
         index, inner = self._locate(name)
-        return str(self.tiers[index].store.path(inner))
+        return os.path.join(self.tiers[index].directory, inner)
 
     def total(self) -> tuple[int, int]:
         memory = disk = 0
