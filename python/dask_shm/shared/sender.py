@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,11 @@ class _HandleSwappingComm:
         self._tiers = tiers
         self._offload_bytes = offload_bytes
         self.links: list[str] = []
+        # An offloaded swap can outlive its request (the handler cancelled
+        # while the thread writes): links made after delete_links are
+        # deleted at once instead of being left in the outgoing directory.
+        self._links_lock = threading.Lock()
+        self._closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._comm, name)
@@ -112,7 +118,11 @@ class _HandleSwappingComm:
                 context_meter.digest_metric("shm-send-bytes", 1, "count")
                 out[key] = wrapped
                 continue
-            self.links.append(handle.path)
+            with self._links_lock:
+                if self._closed:
+                    _unlink(handle.path)
+                    continue
+                self.links.append(handle.path)
             counters["link_transfers"] += 1
             counters["link_bytes"] += handle.size
             context_meter.digest_metric("shm-send-link", 1, "count")
@@ -121,12 +131,19 @@ class _HandleSwappingComm:
         return out
 
     def delete_links(self) -> None:
-        for path in self.links:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.links.clear()
+        """Delete the links made for this request, and any made from now on."""
+        with self._links_lock:
+            self._closed = True
+            links, self.links = self.links, []
+        for path in links:
+            _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _nbytes(value: object) -> int:

@@ -1,0 +1,108 @@
+"""The sending side's comm proxy (dask_shm.shared.sender): a batch that
+``get_data`` answers is swapped for hard-link handles, in the offload thread
+when it is large, and no link outlives its request, also when the request
+ends while the offloaded swap still runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import Any
+
+import dask
+import numpy as np
+import pytest
+from distributed.protocol.serialize import Serialize, to_serialize
+from distributed.utils import offload
+
+from dask_shm.shared import SharedSpillBuffer, transfer
+from dask_shm.shared.sender import OFFLOAD_KEYS, _HandleSwappingComm
+from dask_shm.shared.store import Handle
+
+MB = 2**20
+
+
+@pytest.fixture
+def buffer(shm_dir, tmp_path):
+    settings = {"shm.shared-memory.root": shm_dir, "shm.shared-memory.disk-root": str(tmp_path)}
+    with dask.config.set(settings):
+        buf = SharedSpillBuffer.from_config(256 * MB)
+        yield buf
+        buf.close()
+    transfer.enable_receiving(None)
+
+
+class RecordingComm:
+    """A comm whose ``write`` keeps the messages (and can be held up)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    async def write(self, msg: Any, *args: Any, **kwargs: Any) -> int:
+        self.sent.append(msg)
+        return 0
+
+
+def outgoing(buf: SharedSpillBuffer) -> list[str]:
+    return sorted(os.listdir(buf.store.tiers.tiers[0].outgoing))
+
+
+def batch(buf: SharedSpillBuffer, n: int) -> dict:
+    for i in range(n):
+        buf[f"k{i}"] = np.full(128 * 1024 // 8, float(i))  # above min-size: shared
+    return {f"k{i}": to_serialize(buf[f"k{i}"]) for i in range(n)}
+
+
+def handles(msg: dict) -> dict[str, Handle]:
+    return {k: v.data for k, v in msg["data"].items() if isinstance(v, Serialize)}
+
+
+@pytest.mark.parametrize("n", [1, OFFLOAD_KEYS + 1])
+def test_a_batch_goes_as_handles_and_its_links_go_with_the_request(buffer, n):
+    comm = RecordingComm()
+    proxy = _HandleSwappingComm(comm, buffer, frozenset({2}), None)
+    data = batch(buffer, n)
+    asyncio.run(proxy.write({"status": "OK", "data": data}))
+    sent = handles(comm.sent[0])
+    assert sorted(sent) == sorted(data)
+    assert all(isinstance(h, Handle) and os.path.exists(h.path) for h in sent.values())
+    assert len(outgoing(buffer)) == n
+    proxy.delete_links()
+    assert outgoing(buffer) == []
+    for i in range(n):  # the values read back from their files
+        assert buffer[f"k{i}"][0] == i
+
+
+def test_links_made_after_the_request_ended_are_deleted(buffer):
+    """The handler is cancelled (the requester went away) while the offload
+    thread still writes the batch out; _answer then deletes the links. The
+    links the thread makes afterwards must not stay in the outgoing
+    directory (each would keep its file's pages on the tmpfs)."""
+    comm = RecordingComm()
+    proxy = _HandleSwappingComm(comm, buffer, frozenset({2}), None)
+    data = batch(buffer, 4 * OFFLOAD_KEYS)
+    started = threading.Event()
+    export = buffer.export
+
+    def slow_export(*args: Any, **kwargs: Any) -> Any:
+        started.set()
+        return export(*args, **kwargs)
+
+    buffer.export = slow_export  # type: ignore[method-assign]
+
+    async def cancelled_request() -> None:
+        write = asyncio.ensure_future(proxy.write({"status": "OK", "data": data}))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        write.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await write
+        proxy.delete_links()  # what the get_data wrapper does once the handler ends
+        await offload(lambda: None)  # the offload thread is done with the swap
+
+    asyncio.run(cancelled_request())
+    assert comm.sent == []
+    assert outgoing(buffer) == []
+    for i in range(4 * OFFLOAD_KEYS):
+        assert buffer[f"k{i}"][0] == i
