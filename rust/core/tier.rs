@@ -7,7 +7,7 @@
 //! same memory size, and only then removes the source entry: a failure at any
 //! step leaves the source untouched.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
 use crate::store::{FileStore, StoreError};
 
@@ -64,8 +64,9 @@ pub struct TierBudget {
     used: u64,
     clock: u64,
     entries: HashMap<String, Entry>,
-    /// `(last_use, name)` of every unpinned entry, least recently used first
-    movable: BTreeSet<(u64, String)>,
+    /// last use -> name of every unpinned entry, least recently used first
+    /// (each use has its own tick of `clock`, so a last use names one entry)
+    movable: BTreeMap<u64, String>,
     /// bytes of the entries in `movable`
     movable_bytes: u64,
 }
@@ -104,12 +105,12 @@ impl TierBudget {
     }
 
     fn make_movable(&mut self, name: &str, e: &Entry) {
-        self.movable.insert((e.last_use, name.to_owned()));
+        self.movable.insert(e.last_use, name.to_owned());
         self.movable_bytes += e.size;
     }
 
-    fn make_fixed(&mut self, name: &str, e: &Entry) {
-        if self.movable.remove(&(e.last_use, name.to_owned())) {
+    fn make_fixed(&mut self, e: &Entry) {
+        if self.movable.remove(&e.last_use).is_some() {
             self.movable_bytes -= e.size;
         }
     }
@@ -132,7 +133,7 @@ impl TierBudget {
     pub fn remove(&mut self, name: &str) -> bool {
         match self.entries.remove(name) {
             Some(e) => {
-                self.make_fixed(name, &e);
+                self.make_fixed(&e);
                 self.used -= e.size;
                 true
             }
@@ -153,7 +154,7 @@ impl TierBudget {
             return;
         };
         if e.pins == 0 {
-            self.make_fixed(name, &e);
+            self.make_fixed(&e);
         }
         let e = Entry {
             last_use: now,
@@ -197,7 +198,7 @@ impl TierBudget {
         let need = if fits { over(incoming) } else { over(0) };
         let mut victims = Vec::new();
         let mut freed = 0;
-        for (_, name) in &self.movable {
+        for name in self.movable.values() {
             if freed >= need {
                 break;
             }
