@@ -34,7 +34,7 @@ def buffer(shm_dir, tmp_path):
 
 
 class RecordingComm:
-    """A comm whose ``write`` keeps the messages (and can be held up)."""
+    """A comm whose ``write`` keeps the messages it was given."""
 
     def __init__(self) -> None:
         self.sent: list[Any] = []
