@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from clusters import process_cluster  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
+from dask_shm.procmem import per_cpu_free_bytes  # noqa: E402
 from dask_shm.shared import shm_metrics  # noqa: E402
 
 WORKERS = int(os.environ.get("DASK_SHM_BENCH_WORKERS", "2"))
@@ -98,20 +99,8 @@ def read_meminfo() -> dict[str, int]:
         for line in f.read().decode().splitlines():
             name, _, rest = line.partition(":")
             out[name] = int(rest.split()[0]) * 1024
-    out["PerCpuFree"] = percpu_free()
+    out["PerCpuFree"] = per_cpu_free_bytes()
     return out
-
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def percpu_free() -> int:
-    """Bytes of free pages held on the kernel's per-CPU lists (the ``count:``
-    lines of /proc/zoneinfo's pagesets): freed, but not in MemFree, so
-    ``MemTotal - MemAvailable`` counts them as used until they are drained."""
-    with open("/proc/zoneinfo", "rb", buffering=0) as f:
-        text = f.read()
-    return PAGE * sum(int(line.split()[1]) for line in text.splitlines() if b"count:" in line)
 
 
 def settle_percpu_free(timeout: float = 20.0) -> None:
@@ -122,10 +111,10 @@ def settle_percpu_free(timeout: float = 20.0) -> None:
     (seen on the 16-core machine: stock's AnonPages grew by 2.7 GiB while
     its per-CPU free pages fell by 0.6 GiB)."""
     deadline = time.monotonic() + timeout
-    last = percpu_free()
+    last = per_cpu_free_bytes()
     while time.monotonic() < deadline:
         time.sleep(1.0)
-        now = percpu_free()
+        now = per_cpu_free_bytes()
         if now >= last:
             return
         last = now

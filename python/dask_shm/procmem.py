@@ -33,6 +33,7 @@ __all__ = [
     "ProcessMemory",
     "Sample",
     "host_memory_used",
+    "per_cpu_free_bytes",
     "process_memory",
 ]
 
@@ -143,7 +144,7 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PCP_COUNT = re.compile(rb"\n\s+count:\s+(\d+)")
 
 
-def _per_cpu_free_bytes() -> int:
+def per_cpu_free_bytes() -> int:
     """Free pages parked on the kernel's per-CPU free lists (the ``count:`` of
     every pageset in ``/proc/zoneinfo``); 0 if unreadable."""
     try:
@@ -184,7 +185,7 @@ def host_memory_used(*, raw: bool = False) -> int:
         return _host_memory_used_psutil()
     if raw:
         return total - available
-    return max(0, total - available - _per_cpu_free_bytes())
+    return max(0, total - available - per_cpu_free_bytes())
 
 
 @dataclass(frozen=True)
