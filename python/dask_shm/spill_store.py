@@ -13,8 +13,9 @@ import hashlib
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Iterator, Mapping, MutableMapping
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, MutableMapping
+from time import perf_counter
+from typing import Any, Literal, Protocol, TypeAlias
 from urllib.parse import quote
 
 import msgpack
@@ -30,6 +31,9 @@ from distributed.sizeof import safe_sizeof
 from distributed.spill import PickleError, SpilledSize
 
 from dask_shm._core import FileStore, SpillFileError
+
+#: ``f(label, value, unit)``, the signature of ``context_meter.digest_metric``.
+Digest: TypeAlias = Callable[[Hashable, float, str], None]
 
 #: File names longer than this are shortened and made unique with a hash.
 _MAX_STEM = 200
@@ -64,16 +68,21 @@ def _is_arrow_table(value: object) -> bool:
     return module.startswith("pyarrow") and type(value).__name__ in ("Table", "RecordBatch")
 
 
-def serialize_unsplit(value: object) -> tuple[dict, list]:
+def serialize_unsplit(
+    value: object, digest: Digest = context_meter.digest_metric
+) -> tuple[dict, list]:
     """``serialize`` with every frame left whole and uncompressed: frames
     that ``serialize_bytelist`` would shard at 64 MiB are kept in one piece so
     that a deserializer reading from a mapping gets one contiguous buffer and
     never has to copy to merge shards.
 
-    Reports the ``serialize`` and ``compress`` stages to ``context_meter`` as
-    stock's ``serialize_bytelist`` does (the latter being the decision to leave
-    every frame uncompressed), so memmap and shared buffers show the same
-    metrics as stock.
+    Reports the ``serialize`` and ``compress`` stages (the latter being the
+    decision to leave every frame uncompressed) to ``digest`` (default:
+    ``context_meter.digest_metric``), as stock's ``serialize_bytelist`` reports
+    them to ``context_meter``, so memmap and shared buffers show the same
+    metrics as stock. They are timed here rather than with
+    ``context_meter.meter``, whose context managers cost more than a small
+    value's serialization (this runs once per value a worker hands over).
 
     A pyarrow Table or RecordBatch is pickled (protocol 5: its buffers become
     the frames, no copy) rather than given to distributed's arrow serializer,
@@ -81,11 +90,13 @@ def serialize_unsplit(value: object) -> tuple[dict, list]:
     of up to twice its size, kept by pyarrow's pool afterwards). Read back,
     both are the same value over the file's pages."""
     serializers = _PICKLE if _is_arrow_table(value) else None
-    with context_meter.meter("serialize"):
-        header, frames = serialize(value, serializers=serializers, on_error="raise")
-    with context_meter.meter("compress"):
-        header["compression"] = (None,) * len(frames)
+    start = perf_counter()
+    header, frames = serialize(value, serializers=serializers, on_error="raise")
+    serialized = perf_counter()
+    header["compression"] = (None,) * len(frames)
     header["count"] = len(frames)
+    digest("serialize", serialized - start, "seconds")
+    digest("compress", perf_counter() - serialized, "seconds")
     return header, frames
 
 
@@ -208,14 +219,25 @@ class SpillStore(MutableMapping[Key, object]):
     def _record(self, label: Hashable, value: float, unit: str) -> None:
         self.cumulative_metrics[label, unit] += value  # type: ignore[index]
 
+    def _digest(self, label: Hashable, value: float, unit: str) -> None:
+        """Report a metric to this store and to the callbacks of the caller's
+        context, as ``context_meter.digest_metric`` within
+        ``context_meter.add_callback(self._record)`` would, without entering
+        that context."""
+        self._record(label, value, unit)
+        context_meter.digest_metric(label, value, unit)
+
     def _serialize(self, key: Key, value: object) -> list:
         """``[msgpack header, *payload frames]`` for ``value``; raises PickleError."""
         try:
             if self.mapped:
-                header, frames = serialize_unsplit(value)
+                header, frames = serialize_unsplit(value, self._digest)
                 return [msgpack.dumps(header, use_bin_type=True), *frames]
-            # [1:] drops stock's length prelude; our file has its own frame table.
-            return serialize_bytelist(value, compression=self._compression, on_error="raise")[1:]
+            with context_meter.add_callback(self._record):  # stock's serialize meters
+                # [1:] drops stock's length prelude; our file has its own frame table.
+                return serialize_bytelist(value, compression=self._compression, on_error="raise")[
+                    1:
+                ]
         except Exception as e:
             raise PickleError(key) from e
 
@@ -223,19 +245,21 @@ class SpillStore(MutableMapping[Key, object]):
         """Write ``frames`` to a new file for ``key``; returns its name.
         Raises MaxSpillExceeded or OSError."""
         max_disk = None if self.max_weight is False else self.max_weight
-        with context_meter.meter("disk-write", "seconds"):
+        start = perf_counter()
+        try:
             stored = self.files.put(file_stem(key), frames, memory, max_disk)
+        finally:
+            self._digest("disk-write", perf_counter() - start, "seconds")
         if stored is None:
             raise MaxSpillExceeded(key)
         name, disk = stored
-        context_meter.digest_metric("disk-write", 1, "count")
-        context_meter.digest_metric("disk-write", disk, "bytes")
+        self._digest("disk-write", 1, "count")
+        self._digest("disk-write", disk, "bytes")
         return name
 
     def __setitem__(self, key: Key, value: object) -> None:
-        with context_meter.add_callback(self._record):
-            frames = self._serialize(key, value)
-            name = self._write(key, frames, safe_sizeof(value))
+        frames = self._serialize(key, value)
+        name = self._write(key, frames, safe_sizeof(value))
         self._register(key, name)
 
     def _register(self, key: Key, name: str) -> None:

@@ -94,8 +94,8 @@ impl FileStore {
     }
 
     #[getter]
-    fn directory(&self) -> std::path::PathBuf {
-        self.inner.directory().to_path_buf()
+    fn directory(&self) -> std::ffi::OsString {
+        self.inner.directory().as_os_str().to_owned()
     }
 
     /// Write `frames` into a new file `{stem}#{n}`; account `memory` bytes in
@@ -203,9 +203,10 @@ impl FileStore {
         py: Python<'_>,
         name: &str,
         directory: std::path::PathBuf,
-    ) -> PyResult<std::path::PathBuf> {
+    ) -> PyResult<std::ffi::OsString> {
         let store = Arc::clone(&self.inner);
         py.detach(|| store.link_out(name, &directory))
+            .map(std::path::PathBuf::into_os_string)
             .map_err(|e| to_pyerr_at(e, &directory))
     }
 
@@ -268,8 +269,8 @@ impl FileStore {
         (t.memory, t.disk)
     }
 
-    fn path(&self, name: &str) -> std::path::PathBuf {
-        self.inner.path_of(name)
+    fn path(&self, name: &str) -> std::ffi::OsString {
+        self.inner.path_of(name).into_os_string()
     }
 
     fn names(&self) -> Vec<String> {

@@ -25,11 +25,11 @@ import weakref
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Literal
 
 import msgpack
 from dask.typing import Key
-from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm import arrow_pool
@@ -141,7 +141,7 @@ class SharedSpillStore(SpillStore):
         """File frames for ``value`` and its shareable bytes (None when the
         value should stay private). Raises PickleError."""
         try:
-            header, frames = serialize_unsplit(value)
+            header, frames = serialize_unsplit(value, self._digest)
         except Exception as e:
             raise PickleError(key) from e
         share, shareable = worth_sharing(header, frames, self.min_size, self.min_shared_fraction)
@@ -149,22 +149,20 @@ class SharedSpillStore(SpillStore):
 
     def __setitem__(self, key: Key, value: object) -> None:
         # An array born shared is already in a file: only its header is written.
-        with context_meter.add_callback(self._record):
-            with context_meter.meter("disk-write", "seconds"):
-                name = self.adopt_born(key, value)
-            if name is not None:
-                context_meter.digest_metric("disk-write", 1, "count")
-                context_meter.digest_metric("disk-write", born.header_size(), "bytes")
+        start = perf_counter()
+        name = self.adopt_born(key, value)
         if name is not None:
+            self._digest("disk-write", perf_counter() - start, "seconds")
+            self._digest("disk-write", 1, "count")
+            self._digest("disk-write", born.header_size(), "bytes")
             # The born file is ours now: read-only, and its fingerprint is the
             # one later reads are checked against.
             self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
             self._private_cache.pop(key, None)
             self._register(key, name)
             return
-        with context_meter.add_callback(self._record):
-            frames, shareable = self._prepare(key, value)
-            name = self._write(key, frames, safe_sizeof(value))
+        frames, shareable = self._prepare(key, value)
+        name = self._write(key, frames, safe_sizeof(value))
         del frames
         arrow_pool.release_unused()  # serialization's temporary copies, if any
         self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
