@@ -17,7 +17,13 @@ computation (submit to result), not the cluster's start; run once each.
 runs the scheduler and the nannies (the client's too: one process), and
 ``max_tick_worker_ms``, the largest of any worker's, from distributed's own
 ``tick-duration`` metric (``Server.digests_max``), reset once the cluster is
-up; ``shared_files`` (ours: files held by the workers at the end).
+up; ``shared_files`` (ours: files held by the workers at the end). Every
+worker event-loop callback of 100 ms or more is attributed to the code that
+ran in it (``tests/loop_attribution.py``): ``slow_callbacks``,
+``max_callback_ms``, and ``max_dask_shm_ms`` / ``max_distributed_ms``, the
+most any one of them spent in dask-shm's / distributed's code; the five
+longest are printed (all of them written to ``$DASK_SHM_BENCH_LOOPS.<impl>.json``
+when that variable is set).
 
 ``DASK_SHM_BENCH_KEYS`` (default 100000; e.g. 5000 for a run of a few
 minutes on a small host) sets the number of keys.
@@ -25,8 +31,11 @@ minutes on a small host) sets the number of keys.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -34,10 +43,16 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import loop_attribution  # noqa: E402
+
 KIB = 2**10
 VALUE_BYTES = 72 * KIB
 PARTIAL = 1000
 KEYS = int(os.environ.get("DASK_SHM_BENCH_KEYS", "100000"))
+
+#: worker callbacks this long or longer are attributed (issue 24's bound)
+SLOW_CALLBACK = 0.1
 
 RESULTS: dict[int, dict[str, float]] = {}
 
@@ -87,6 +102,23 @@ def _worker_figures(dask_worker: Any) -> dict[str, float]:
     }
 
 
+def _print_slow_callbacks(impl: str, loops: dict[str, dict[str, Any]]) -> None:
+    """The five longest worker callbacks, with the seconds charged to each
+    owner; all of them as JSON where ``DASK_SHM_BENCH_LOOPS`` names a file."""
+    slow = sorted(
+        (s for r in loops.values() for s in r["slow"]), key=lambda s: s["seconds"], reverse=True
+    )
+    print(f"\n{impl}: {len(slow)} worker callbacks of {SLOW_CALLBACK * 1000:.0f} ms or more")
+    for s in slow[:5]:
+        owners = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in sorted(s["owner_seconds"].items()))
+        print(f"  {s['seconds'] * 1000:.0f} ms ({owners}): {s['callback'][:120]}")
+        print(f"    innermost: {s['top'][:3]}")
+    out = os.environ.get("DASK_SHM_BENCH_LOOPS")
+    if out:
+        with open(f"{out}.{impl}.json", "w") as f:
+            json.dump(loops, f, indent=1)
+
+
 @pytest.mark.parametrize("impl", ["stock", "ours"])
 @pytest.mark.parametrize("keys", [KEYS])
 def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
@@ -114,6 +146,8 @@ def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
         kinds = client.run(lambda dask_worker: type(dask_worker.data).__name__)
         assert set(kinds.values()) == {"SharedSpillBuffer" if impl == "ours" else "SpillBuffer"}
         dsk = graph(keys)
+        client.register_plugin(loop_attribution.LoopAttribution(threshold=SLOW_CALLBACK))
+        client.run(loop_attribution.reset)
         client.run(_reset_ticks)
         cluster.scheduler.digests_max.pop("tick-duration", None)
 
@@ -123,6 +157,7 @@ def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
         benchmark.pedantic(compute, rounds=1, iterations=1)
         loop_tick = cluster.scheduler.digests_max.get("tick-duration", 0.0)
         figures = client.run(_worker_figures)
+        loops = client.run(loop_attribution.report)
     assert results[0] == expected(keys), (results[0], expected(keys))
     worker_tick = max(f["tick"] for f in figures.values())
     benchmark.extra_info.update(
@@ -131,8 +166,10 @@ def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
             "max_tick_worker_ms": round(worker_tick * 1000, 1),
             "shared_files": int(sum(f["files"] for f in figures.values())),
             "mapped_values": int(sum(f["mapped"] for f in figures.values())),
+            **{k: round(v, 1) for k, v in loop_attribution.summary(loops).items()},
         }
     )
+    _print_slow_callbacks(impl, loops)
     print(
         f"\n{impl} {keys:,} keys: {benchmark.stats.stats.median:.1f} s, max tick "
         f"scheduler/nanny loop {loop_tick * 1000:.0f} ms, workers {worker_tick * 1000:.0f} ms"

@@ -1,0 +1,101 @@
+"""The bench helper that attributes a worker's long event-loop callbacks
+(tests/loop_attribution.py) charges them to the code that really ran."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from distributed import Client, LocalCluster
+from loop_attribution import LoopAttribution, report, reset, summary
+
+from dask_shm.spill_store import file_stem
+
+
+def _spin_in_dask_shm(seconds: float) -> int:
+    """Hold the worker's loop inside dask-shm code (``client.run`` calls a
+    plain function in the event loop)."""
+    deadline = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < deadline:
+        file_stem(("x", n))
+        n += 1
+    return n
+
+
+def _spin_here(seconds: float) -> int:
+    """Hold it in code of neither package: charged to distributed, the
+    innermost owned frame (its ``run`` handler)."""
+    deadline = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < deadline:
+        n += 1
+    return n
+
+
+def test_long_callbacks_are_charged_to_the_code_that_ran() -> None:
+    with (
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(LoopAttribution(threshold=0.1))
+        client.run(_spin_here, 0)  # imports this module (and dask-shm) on the worker
+        client.run(reset)
+        client.run(_spin_in_dask_shm, 0.4)
+        client.run(_spin_here, 0.4)
+        (worker_report,) = client.run(report).values()
+    slow = worker_report["slow"]
+    assert worker_report["callbacks"] > 0
+    assert len(slow) == 2, slow
+    ours = next(s for s in slow if s["owner_seconds"].get("dask_shm", 0) > 0.2)
+    theirs = next(s for s in slow if s is not ours)
+    assert 0.4 <= ours["seconds"] < 1.0
+    assert ours["owner_seconds"]["dask_shm"] > 0.8 * ours["seconds"]
+    assert any("spill_store.py:file_stem" in name for name, _ in ours["top"])
+    assert theirs["owner_seconds"].get("dask_shm", 0) < 0.05
+    assert theirs["owner_seconds"]["distributed"] > 0.8 * theirs["seconds"]
+    figures = summary({"w": worker_report})
+    assert figures["slow_callbacks"] == 2
+    assert 0.8 * 400 < figures["max_dask_shm_ms"] <= figures["max_callback_ms"]
+
+
+def _collect_garbage_in_the_loop(objects: int) -> float:
+    """Hold the loop in a full collection of a heap of ``objects`` cycles."""
+    import gc
+
+    heap = [[i] for i in range(objects)]
+    for cell in heap:
+        cell.append(cell)  # a reference cycle each: the collector must walk them
+    start = time.perf_counter()
+    gc.collect()
+    seconds = time.perf_counter() - start
+    del heap
+    return seconds
+
+
+def test_garbage_collection_is_charged_to_gc() -> None:
+    with (
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(LoopAttribution(threshold=0.1))
+        client.run(_spin_here, 0)  # imports this module (and dask-shm) on the worker
+        client.run(reset)
+        (gc_seconds,) = client.run(_collect_garbage_in_the_loop, 3_000_000).values()
+        (worker_report,) = client.run(report).values()
+    assert gc_seconds > 0.1, "the collection was too quick to be a slow callback"
+    (slow,) = [s for s in worker_report["slow"] if s["owner_seconds"].get("gc", 0) > 0]
+    assert slow["owner_seconds"]["gc"] >= 0.9 * gc_seconds
+    assert slow["owner_seconds"].get("dask_shm", 0) < 0.05, slow
