@@ -168,7 +168,7 @@ class LoopAttribution(WorkerPlugin):
             finally:
                 sampler.end(handle)
 
-        asyncio.Handle._run = _run  # type: ignore[method-assign]
+        asyncio.Handle._run = _run  # type: ignore[method-assign,assignment]
         gc.callbacks.append(sampler.on_gc)
         self._sampler, self._original = sampler, original
         threading.Thread(target=sampler.sample_forever, daemon=True, name=self.name).start()
@@ -176,7 +176,7 @@ class LoopAttribution(WorkerPlugin):
     def teardown(self, worker: Any) -> None:
         if self._sampler is not None:
             self._sampler.stop.set()
-            asyncio.Handle._run = self._original  # type: ignore[method-assign]
+            asyncio.Handle._run = self._original  # type: ignore[method-assign,assignment]
             gc.callbacks.remove(self._sampler.on_gc)
             self._sampler = None
 
