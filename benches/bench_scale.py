@@ -21,7 +21,8 @@ up; ``shared_files`` (ours: files held by the workers at the end). Every
 worker event-loop callback of 100 ms or more is attributed to the code that
 ran in it (``tests/loop_attribution.py``): ``slow_callbacks``,
 ``max_callback_ms``, and ``max_dask_shm_ms`` / ``max_distributed_ms``, the
-most any one of them spent in dask-shm's / distributed's code; the five
+most any one of them spent in dask-shm's / distributed's code
+(``max_dask_shm_cpu_ms``: on the loop thread's CPU), ``max_gc_ms``; the five
 longest are printed (all of them written to ``$DASK_SHM_BENCH_LOOPS.<impl>.json``
 when that variable is set).
 
@@ -111,7 +112,10 @@ def _print_slow_callbacks(impl: str, loops: dict[str, dict[str, Any]]) -> None:
     print(f"\n{impl}: {len(slow)} worker callbacks of {SLOW_CALLBACK * 1000:.0f} ms or more")
     for s in slow[:5]:
         owners = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in sorted(s["owner_seconds"].items()))
-        print(f"  {s['seconds'] * 1000:.0f} ms ({owners}): {s['callback'][:120]}")
+        print(
+            f"  {s['seconds'] * 1000:.0f} ms, {s['cpu_seconds'] * 1000:.0f} ms CPU, "
+            f"{s['samples']} samples ({owners}): {s['callback'][:100]}"
+        )
         print(f"    innermost: {s['top'][:3]}")
     out = os.environ.get("DASK_SHM_BENCH_LOOPS")
     if out:

@@ -15,10 +15,14 @@ can be taken while it runs: its time is measured (``gc.callbacks``) and
 charged to ``"gc"``, and the samples share the rest.
 
 For every callback that ran ``threshold`` seconds or more, :meth:`report`
-gives its duration, the seconds estimated for each owner (the owner's share
-of the callback's samples times its duration) and the functions most often
-innermost, so a bench can say whether dask-shm's part of any long callback
-stayed under the threshold.
+gives its duration, the loop thread's CPU time in it, the seconds estimated
+for each owner (the owner's share of the callback's samples times its
+duration; ``owner_cpu_seconds``: times its CPU time) and the functions most
+often innermost, so a bench can say whether dask-shm's part of any long
+callback stayed under the threshold. Few samples in a long callback mean the
+sampler could not get the GIL: another thread held it (a task, an
+offloaded (de)serialization), and the loop thread mostly waited for it too,
+which its CPU time then shows.
 """
 
 from __future__ import annotations
@@ -62,11 +66,15 @@ class SlowCallback:
     """One callback that held the loop ``seconds`` or more than the threshold."""
 
     seconds: float
+    #: CPU time of the loop thread during the callback
+    cpu_seconds: float
     callback: str
     samples: int
     #: estimated seconds by owner ("dask_shm", "distributed", "other", "gc",
     #: "unsampled" when no sample was taken outside garbage collection)
     owner_seconds: dict[str, float]
+    #: the same shares of ``cpu_seconds`` (garbage collection: its wall time)
+    owner_cpu_seconds: dict[str, float]
     #: the most frequent innermost owned functions, with their sample counts
     top: list[tuple[str, int]] = field(default_factory=list)
 
@@ -79,6 +87,7 @@ class _Sampler:
         self.threshold = threshold
         self.interval = interval
         self.started: float | None = None
+        self.cpu_started = 0.0
         self.samples: collections.Counter[tuple[str, str]] = collections.Counter()
         self.slow: list[SlowCallback] = []
         self.callbacks = 0
@@ -109,6 +118,7 @@ class _Sampler:
     def begin(self) -> None:
         self.samples.clear()
         self.gc_seconds = 0.0
+        self.cpu_started = time.thread_time()
         self.started = time.perf_counter()
 
     def end(self, handle: asyncio.Handle) -> None:
@@ -119,24 +129,31 @@ class _Sampler:
         seconds = time.perf_counter() - started
         if seconds < self.threshold:
             return
+        cpu_seconds = time.thread_time() - self.cpu_started
         samples = dict(self.samples)
         total = sum(samples.values())
         gc_seconds = min(self.gc_seconds, seconds)
         by_owner: dict[str, float] = collections.defaultdict(float)
+        by_owner_cpu: dict[str, float] = collections.defaultdict(float)
         if gc_seconds:
-            by_owner["gc"] = gc_seconds
+            by_owner["gc"] = by_owner_cpu["gc"] = gc_seconds
+        cpu_left = max(0.0, cpu_seconds - gc_seconds)
         functions: collections.Counter[str] = collections.Counter()
         for (owner, function), n in samples.items():
             by_owner[owner] += (seconds - gc_seconds) * n / total
+            by_owner_cpu[owner] += cpu_left * n / total
             functions[f"{owner} {function}"] += n
         if not total and seconds > gc_seconds:
             by_owner["unsampled"] = seconds - gc_seconds
+            by_owner_cpu["unsampled"] = cpu_left
         self.slow.append(
             SlowCallback(
                 seconds=seconds,
+                cpu_seconds=cpu_seconds,
                 callback=repr(handle)[:300],
                 samples=total,
                 owner_seconds=dict(by_owner),
+                owner_cpu_seconds=dict(by_owner_cpu),
                 top=functions.most_common(5),
             )
         )
@@ -209,7 +226,7 @@ def report(dask_worker: Any) -> dict[str, Any]:
 def summary(reports: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Over all workers: callbacks timed, slow ones, the longest, and the
     most seconds any slow callback spent in dask-shm's code, distributed's
-    and garbage collection."""
+    and garbage collection, and in dask-shm's code on the CPU."""
     slow = [s for r in reports.values() for s in r["slow"]]
     return {
         "callbacks": sum(r["callbacks"] for r in reports.values()),
@@ -220,4 +237,6 @@ def summary(reports: dict[str, dict[str, Any]]) -> dict[str, float]:
         "max_distributed_ms": 1000
         * max((s["owner_seconds"].get("distributed", 0.0) for s in slow), default=0.0),
         "max_gc_ms": 1000 * max((s["owner_seconds"].get("gc", 0.0) for s in slow), default=0.0),
+        "max_dask_shm_cpu_ms": 1000
+        * max((s["owner_cpu_seconds"].get("dask_shm", 0.0) for s in slow), default=0.0),
     }

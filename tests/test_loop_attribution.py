@@ -57,6 +57,7 @@ def test_long_callbacks_are_charged_to_the_code_that_ran() -> None:
     theirs = next(s for s in slow if s is not ours)
     assert 0.4 <= ours["seconds"] < 1.0
     assert ours["owner_seconds"]["dask_shm"] > 0.8 * ours["seconds"]
+    assert ours["owner_cpu_seconds"]["dask_shm"] > 0.5 * ours["seconds"]  # it spun
     assert any("spill_store.py:file_stem" in name for name, _ in ours["top"])
     assert theirs["owner_seconds"].get("dask_shm", 0) < 0.05
     assert theirs["owner_seconds"]["distributed"] > 0.8 * theirs["seconds"]

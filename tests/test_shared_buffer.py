@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from dask_shm import SpillBuffer
-from dask_shm._core import ForgedHandleError, MappedFile, read_peer_file
+from dask_shm._core import ForgedHandleError, MappedFile, flush_deletes, read_peer_file
 from dask_shm.shared import SharedSpillBuffer, paths, transfer
 from dask_shm.shared.store import Handle, SharedSpillStore
 
@@ -81,8 +81,9 @@ def test_file_is_kept_while_held_and_only_private_bytes_count(root):
     assert buf.cumulative_metrics["disk-write", "count"] == written
     assert list(buf.slow) == ["x"]
     del buf["x"]
-    assert os.listdir(buf.spill_directory) == []
     assert buf.spilled_total == (0, 0)
+    flush_deletes()  # files are deleted off the caller's thread
+    assert os.listdir(buf.spill_directory) == []
     np.testing.assert_array_equal(x, 1)  # a deleted file stays readable while mapped
 
 
@@ -96,6 +97,7 @@ def test_writes_to_an_unspilled_array_stay_private(root):
     buf.evict()  # ... and the value, written in place, is spilled anew (as stock)
     del x
     assert (buf["x"] == 7).all()
+    flush_deletes()
     assert not os.path.exists(path)
 
 
@@ -105,6 +107,7 @@ def test_replacing_a_retained_value_drops_its_file(root):
     buf.evict()
     buf["x"]
     buf["x"] = np.ones(MB // 8)
+    flush_deletes()
     assert os.listdir(buf.spill_directory) == []
     assert buf.fast.weights["x"] >= MB
     buf.evict()
@@ -140,6 +143,7 @@ def test_pickled_objects_and_small_values_stay_private(root):
     assert store_of(buf).shareable == {}
     got = buf["strings"]
     assert "strings" in buf.fast and "strings" not in store_of(buf).retained
+    flush_deletes()
     assert len(os.listdir(buf.spill_directory)) == 1  # its file was deleted
     assert got[0] == "abc"
     assert buf.export("strings") is None
@@ -178,6 +182,7 @@ def test_export_and_adopt_share_one_inode_and_split_accounting(root):
     assert sender.spilled_total.disk + receiver.spilled_total.disk == size
     assert receiver.shm_counters["received_links"] == 1
     del sender["x"]
+    flush_deletes()  # the sender's file is deleted off its thread
     receiver.refresh_links()
     assert receiver.spilled_total.disk == size
     np.testing.assert_array_equal(receiver["x"], np.arange(MB // 8, dtype=float))
@@ -265,6 +270,7 @@ def test_truncated_shared_file_raises_naming_the_key(root):
     with pytest.raises(SpillFileError, match="'x'"):
         buf["x"]
     del buf["x"]
+    flush_deletes()
     assert os.listdir(buf.spill_directory) == []
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from distributed import wait
 
+from dask_shm._core import flush_deletes
 from dask_shm.shared import (
     SharedMemoryNannyPlugin,
     SharedMemoryPlugin,
@@ -68,6 +69,35 @@ def test_spills_beyond_the_budget_go_to_disk_and_read_back(shm_dir, disk_root):
     for k, v in values.items():
         np.testing.assert_array_equal(buf[k], v)
     buf.close()
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names
+
+
+def test_removed_files_are_deleted_off_the_callers_thread(shm_dir, disk_root):
+    """A worker releases keys in batches on its event loop; freeing each
+    file's tmpfs pages there held the loop. Removal accounts at once and
+    leaves the deletion to dask-shm's unlinking thread; close waits for it."""
+    buf = make_buffer(shm_dir, disk_root, budget=20 * MiB, target=0)
+    tiers = buf.store.tiers
+    for i in range(6):
+        buf[f"k{i}"] = np.full(MiB, i, dtype="f8")  # 8 MiB each, tiers 2 and 3
+    paths = [buf.store.path(f"k{i}") for i in range(6)]
+    for i in range(4):
+        del buf[f"k{i}"]
+    assert tiers.total() == (2 * 8 * MiB, 2 * buf.store.files.sizes(buf.store.file_of("k4"))[1])
+    assert "dask-shm-unlink" in _thread_names()
+    flush_deletes()
+    assert [os.path.exists(p) for p in paths] == [False] * 4 + [True] * 2
+    np.testing.assert_array_equal(buf["k5"], np.full(MiB, 5, dtype="f8"))
+    del buf["k4"]
+    buf.close()
+    assert not os.path.exists(paths[4])
 
 
 def test_a_third_file_tier_is_one_more_entry(shm_dir, disk_root, tmp_path):
@@ -220,6 +250,7 @@ def test_an_arrival_dropped_unstored_releases_its_file(shm_dir, disk_root):
     assert len(os.listdir(receiver.store.directory)) == 1
     del value  # the fetch was cancelled: the worker drops the value
     assert receiver.pending_arrivals() == 0
+    flush_deletes()
     assert os.listdir(receiver.store.directory) == []
     assert receiver.shm_counters["abandoned_arrivals"] == 1
     # close releases what is still waiting

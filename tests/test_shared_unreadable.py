@@ -26,6 +26,7 @@ from distributed import wait
 from distributed.protocol import deserialize, serialize
 
 from dask_shm import SharedMemoryPlugin, SpillFileError
+from dask_shm._core import flush_deletes
 from dask_shm.shared import SharedSpillBuffer, transfer
 from dask_shm.shared.store import Handle
 
@@ -110,6 +111,7 @@ def test_unresolvable_handles_deserialize_without_raising(root) -> None:
         assert isinstance(
             deserialize(*serialize(genuine, serializers=["dask"])), transfer.Unresolved
         )
+        flush_deletes()
         assert os.listdir(receiver.store.directory) == []
     finally:
         sender.close()

@@ -22,6 +22,7 @@ __all__ = [
     "buffer_address",
     "FileStore",
     "ForgedHandleError",
+    "flush_deletes",
     "FRAME_ALIGN_MIN_LEN",
     "FRAME_ALIGNMENT",
     "is_ram_backed",
@@ -76,13 +77,22 @@ class FileStore:
     created with O_EXCL|O_NOFOLLOW under a temporary name and published whole.
     """
 
-    def __new__(cls, directory: str | PathLike[str], recycle_bytes: int = 0) -> Self:
+    def __new__(
+        cls, directory: str | PathLike[str], recycle_bytes: int = 0, defer_deletes: bool = False
+    ) -> Self:
         """Open (creating it 0700) the directory. ``recycle_bytes`` > 0 keeps up
         to that many bytes of removed entries' files (hidden ``.pool-*`` names,
         not entries) for later puts to overwrite instead of creating new files.
         Only files with one link, never shared, mapped or being read are kept.
         Never use it for a store whose files anyone maps: overwriting a file
-        changes the pages a private mapping has not touched yet."""
+        changes the pages a private mapping has not touched yet.
+
+        ``defer_deletes``: removed entries' files are deleted by one
+        process-wide thread rather than by the caller (on a tmpfs, freeing a
+        file's pages is most of a delete's cost); ``delete`` returns once the
+        entry is no longer accounted, and :func:`flush_deletes` waits for the
+        files. In a forked child deletes happen at once. ValueError with
+        ``recycle_bytes``."""
     @property
     def directory(self) -> str: ...
     @property
@@ -160,6 +170,10 @@ class FileStore:
     def names(self) -> list[str]: ...
     def __len__(self) -> int: ...
     def __contains__(self, name: str, /) -> bool: ...
+
+def flush_deletes() -> None:
+    """Wait until the files every ``FileStore(..., defer_deletes=True)`` was
+    asked to delete before this call are gone."""
 
 # --- local shared-memory scheduler (rust/core/local_transport.rs, rust/py/local_transport.rs) ---
 

@@ -1,7 +1,8 @@
 //! `dask-shm-core`: the pure Rust half of dask-shm, with no Python in it.
 //!
 //! Spill files (`format`, `store`, `ledger`, `recycle`, `fs`), the tier-2 ->
-//! tier-3 move and budget (`tier`), reading a peer's files (`peer`,
+//! tier-3 move and budget (`tier`), deleting files off the caller's thread
+//! (`unlinker`), reading a peer's files (`peer`,
 //! `local_transport`), the shared-memory arena (`born`) and the Active Memory
 //! Manager's decisions (`amm`) and its ReduceReplicas tracker
 //! (`replica_tracker`, with `addr_map`). The bindings (`rust/py`, the
@@ -20,3 +21,4 @@ pub mod recycle;
 pub mod replica_tracker;
 pub mod store;
 pub mod tier;
+pub mod unlinker;

@@ -41,6 +41,7 @@ use crate::fs::{create_private, open_nofollow, prepare_directory, write_all_vect
 use crate::ledger::{Ledger, Sizes};
 use crate::peer::PeerFile;
 use crate::recycle::{open_recycled, overwrite, Pool, MIN_RECYCLE};
+use crate::unlinker;
 
 static ZEROS: [u8; format::ALIGN as usize] = [0; format::ALIGN as usize];
 
@@ -93,6 +94,8 @@ pub struct FileStore {
     tag: String,
     /// Files kept for reuse; None when recycling is off.
     pool: Option<Mutex<Pool>>,
+    /// Removed entries' files are deleted by `unlinker`'s thread.
+    defer_deletes: bool,
 }
 
 /// A copying read in progress: while it lives, removing the entry deletes
@@ -187,7 +190,18 @@ impl FileStore {
                 })
             }),
             dir,
+            defer_deletes: false,
         })
+    }
+
+    /// Open a store whose removed entries' files are deleted on another
+    /// thread (see `unlinker`): `remove` then returns once the entry is no
+    /// longer accounted, and the file disappears shortly after
+    /// (`unlinker::flush` waits for it). No recycling.
+    pub fn open_deferring_deletes(dir: impl Into<PathBuf>) -> io::Result<FileStore> {
+        let mut store = Self::open(dir)?;
+        store.defer_deletes = true;
+        Ok(store)
     }
 
     /// Files held for reuse and their bytes.
@@ -608,6 +622,9 @@ impl FileStore {
     fn pool_or_delete(&self, path: &Path, may_pool: bool) -> io::Result<bool> {
         if may_pool && self.pool.is_some() && self.recycle(path) {
             return Ok(true);
+        }
+        if self.defer_deletes {
+            return unlinker::unlink_later(path.to_path_buf()).map(|()| false);
         }
         match fs::remove_file(path) {
             Ok(()) => Ok(false),

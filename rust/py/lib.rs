@@ -50,7 +50,7 @@ mod _core {
     #[pymodule_export]
     use super::local_transport::{buffer_address, map_frames, py_pages_unmodified, MappedRange};
     #[pymodule_export]
-    use super::store::{read_peer_file, FileStore};
+    use super::store::{flush_deletes, read_peer_file, FileStore};
     #[pymodule_export]
     use super::tier::{move_entry, TierBudget};
 

@@ -73,14 +73,26 @@ impl FileStore {
     /// files for reuse by later puts; only for stores whose files are never
     /// mapped (`read_mapped`) by anyone.
     #[new]
-    #[pyo3(signature = (directory, recycle_bytes=0))]
+    #[pyo3(signature = (directory, recycle_bytes=0, defer_deletes=false))]
     fn new(
         py: Python<'_>,
         directory: std::path::PathBuf,
         recycle_bytes: u64,
+        defer_deletes: bool,
     ) -> PyResult<FileStore> {
+        if defer_deletes && recycle_bytes > 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "a store that defers deletes cannot recycle files",
+            ));
+        }
         let inner = py
-            .detach(|| Store::open_recycling(&directory, recycle_bytes))
+            .detach(|| {
+                if defer_deletes {
+                    Store::open_deferring_deletes(&directory)
+                } else {
+                    Store::open_recycling(&directory, recycle_bytes)
+                }
+            })
             .map_err(|e| directory_error(e, &directory))?;
         Ok(FileStore {
             inner: Arc::new(inner),
@@ -292,4 +304,11 @@ impl FileStore {
             self.inner.len()
         )
     }
+}
+
+/// Wait until every file that stores opened with `defer_deletes` were asked
+/// to delete before this call is gone (the GIL released meanwhile).
+#[pyfunction]
+pub fn flush_deletes(py: Python<'_>) {
+    py.detach(dask_shm_core::unlinker::flush);
 }

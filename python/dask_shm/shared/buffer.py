@@ -42,7 +42,7 @@ from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm import arrow_pool
-from dask_shm._core import ForgedHandleError, read_peer_file
+from dask_shm._core import ForgedHandleError, flush_deletes, read_peer_file
 from dask_shm.config import byte_size, fraction, spill_limit
 from dask_shm.shared import limits, paths
 from dask_shm.shared.guard import ensure_value
@@ -256,7 +256,8 @@ class SharedSpillBuffer(SpillBuffer):
         return store.files.sizes(name)[1]
 
     def close(self) -> None:
-        """Release every arrival not yet stored (their files are deleted)."""
+        """Release every arrival not yet stored (their files are deleted, as
+        are those of every key removed before; this waits for them)."""
         with self._operation_lock:
             self._closed = True
             arrivals = [a for lst in self._arrivals.values() for a in lst]
@@ -265,6 +266,7 @@ class SharedSpillBuffer(SpillBuffer):
                 a.finalizer.detach()
                 self.store.drop_file(a.name)
         super().close()
+        flush_deletes()
 
     # -- weights, insertion, removal --------------------------------------------
 

@@ -172,8 +172,9 @@ def open_tiers(
             name=spec.name,
             number=FIRST_FILE_TIER + i,
             root=spec.root,
-            # no recycling: files are mapped
-            store=FileStore(paths.subdir(spec.root, buffer_name)),
+            # No recycling: files are mapped. Deletes are deferred: a worker
+            # releases keys in batches within one event-loop callback.
+            store=FileStore(paths.subdir(spec.root, buffer_name), defer_deletes=True),
             outgoing=paths.subdir(spec.root, "outgoing"),
             budget=None if (limit := limits[spec.name]) is None else TierBudget(limit),
             ram=spec.ram,
