@@ -108,9 +108,19 @@ def _summed(per_worker: dict) -> dict:
 
 @contextmanager
 def cluster(mode: str, root: str) -> Iterator[Client]:
+    """Two workers of ``$P2P_MEMORY_LIMIT`` each (default 2 GiB; ``auto``:
+    distributed's share of the machine, or of the memory cgroup we run in)."""
     config = shared_config(root) if mode == "shared" else {}
-    with process_cluster(2, "2GiB", config, host="127.0.0.1") as client:
+    memory_limit = os.environ.get("P2P_MEMORY_LIMIT", "2GiB")
+    with process_cluster(2, memory_limit, config, host="127.0.0.1") as client:
         yield client
+
+
+def limits(dask_worker) -> dict:
+    """The worker's memory limit and, in shared mode, its tier-2 budget."""
+    store = getattr(dask_worker.data, "store", None)
+    budget = store.tiers.tiers[0].budget.limit if store is not None else None
+    return {"memory_limit": dask_worker.memory_manager.memory_limit, "tier2_budget": budget}
 
 
 def main(mode: str, root: str) -> None:
@@ -131,6 +141,7 @@ def main(mode: str, root: str) -> None:
                         "checksum": checksum,
                         "counters": counters,
                         "files_left": shard_files(root),
+                        "limits": list(client.run(limits).values()),
                     }
                 ),
                 flush=True,
