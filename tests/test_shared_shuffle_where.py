@@ -75,10 +75,11 @@ def run_in_cgroup(mode: str, root: str, limit: int) -> tuple[dict[str, dict], in
 
 @pytest.mark.timeout(900)
 def test_p2p_inside_a_memory_cgroup_goes_by_file_with_stock_results():
-    """A 2.5 GiB cgroup (SLURM's or Kubernetes' limit): distributed gives each
-    worker half of it, dask-shm budgets tier 2 within that (tmpfs pages are
-    charged to the cgroup), and the shuffle and rechunk give stock's results
-    by file, with no OOM kill and no file left."""
+    """A 2.5 GiB cgroup (SLURM's or Kubernetes' limit), worker memory limits
+    "auto": dask-shm budgets tier 2 within the cgroup (tmpfs pages are
+    charged to it) even where distributed's limit does not see the cgroup,
+    and the shuffle and rechunk give stock's results by file, with no OOM
+    kill and no file left."""
     why = cgroup_unavailable() or _netns_unavailable()
     if why:
         pytest.skip(why)
@@ -96,9 +97,11 @@ def test_p2p_inside_a_memory_cgroup_goes_by_file_with_stock_results():
         assert ours[name]["counters"].get("p2p_file_fallbacks", 0) == 0, ours[name]
         assert ours[name]["files_left"] == []
     for figures in ours["shuffle"]["limits"]:
-        # "auto" reads the cgroup: each of 2 workers gets at most half of it
-        assert 0 < figures["memory_limit"] <= limit // 2 + 2**20, figures
-        assert 0 < figures["tier2_budget"] < figures["memory_limit"], figures
+        # distributed's "auto" may not see a cgroup without a cgroup namespace
+        # (it reads /sys/fs/cgroup/memory.max); tier 2 is budgeted within the
+        # cgroup all the same: its tmpfs pages are charged there.
+        assert 0 < figures["tier2_budget"] <= 0.3 * limit, figures
+        assert figures["tier2_budget"] < figures["memory_limit"], figures
 
 
 # --- workers in PID namespaces of their own, one tmpfs ----------------------------
@@ -159,7 +162,9 @@ def workers_in_own_pid_namespaces(
         finally:
             for p in procs:
                 if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
+                    # to the namespace's first process (the nanny's CLI), not to
+                    # unshare, which would exit and leave it running
+                    os.kill(_forked_child(p.pid) or p.pid, signal.SIGTERM)
             deadline = time.monotonic() + 60
             for p in procs:
                 try:
@@ -167,6 +172,16 @@ def workers_in_own_pid_namespaces(
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+
+
+def _forked_child(pid: int) -> int | None:
+    """The process ``unshare --fork`` (``pid``) started, if it still runs."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
 
 
 def _pid_namespace() -> str:

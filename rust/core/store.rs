@@ -222,6 +222,11 @@ impl FileStore {
         &self.dir
     }
 
+    /// Whether removed entries' files are deleted on `unlinker`'s thread.
+    pub fn defers_deletes(&self) -> bool {
+        self.defer_deletes
+    }
+
     pub fn path_of(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }

@@ -248,9 +248,14 @@ impl FileStore {
     /// Returns `(memory, disk)` that were accounted, or None if unknown.
     fn delete(&self, py: Python<'_>, name: &str) -> PyResult<Option<(u64, u64)>> {
         let store = Arc::clone(&self.inner);
-        let sizes = py
-            .detach(|| store.remove(name))
-            .map_err(|e| io_error_at(e, &self.inner.path_of(name)))?;
+        // A deferred delete does no I/O (but in a forked child): keeping the
+        // GIL spares a batch of deletes one wait for it each.
+        let sizes = if store.defers_deletes() {
+            store.remove(name)
+        } else {
+            py.detach(|| store.remove(name))
+        }
+        .map_err(|e| io_error_at(e, &self.inner.path_of(name)))?;
         Ok(sizes.map(|s| (s.memory, s.disk)))
     }
 

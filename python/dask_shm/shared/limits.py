@@ -187,9 +187,10 @@ def tier2_budget(
 
     ``max_bytes``: None for ``auto`` (:data:`AUTO_FRACTION` of the memory
     limit, else of the memory available to the process -- the cgroup limit or
-    the host's memory); a float in (0, 1] for that fraction instead; an int
-    for an absolute number of bytes. Every result is capped by
-    :data:`TMPFS_HEADROOM` of the root's free space now.
+    the host's memory -- which also caps a larger memory limit); a float in
+    (0, 1] for that fraction instead; an int for an absolute number of bytes.
+    Every result is capped by :data:`TMPFS_HEADROOM` of the root's free space
+    now.
 
     With ``auto``, a memory limit and ``target_fraction`` (the worker's
     ``distributed.worker.memory.target``), the budget is also capped so that
@@ -199,8 +200,14 @@ def tier2_budget(
     target would have it spill, pause and be restarted with nothing left to
     spill. Small memory limits then spill mostly to disk, as stock does.
     """
-    base = memory_limit or memory_available_to_process()
-    base_name = "memory limit" if memory_limit else "available memory"
+    # A memory limit above what the process may use (distributed's "auto"
+    # ignores a cgroup it cannot see at /sys/fs/cgroup, as under SLURM: no
+    # cgroup namespace) is capped by it: tmpfs pages are charged to the cgroup.
+    available = memory_available_to_process()
+    if memory_limit and memory_limit <= available:
+        base, base_name = memory_limit, "memory limit"
+    else:
+        base, base_name = available, "available memory"
     if max_bytes is None:
         wanted, how = int(AUTO_FRACTION * base), f"{AUTO_FRACTION:g} x {base_name}"
         if memory_limit and target_fraction:
