@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
+import pytest
 from distributed import Client, LocalCluster
 from loop_attribution import LoopAttribution, report, reset, summary
 
@@ -33,7 +35,9 @@ def _spin_here(seconds: float) -> int:
     return n
 
 
-def test_long_callbacks_are_charged_to_the_code_that_ran() -> None:
+@pytest.fixture(scope="module")
+def client() -> Iterator[Client]:
+    """One worker process with the plugin registered."""
     with (
         LocalCluster(
             n_workers=1,
@@ -46,23 +50,29 @@ def test_long_callbacks_are_charged_to_the_code_that_ran() -> None:
     ):
         client.register_plugin(LoopAttribution(threshold=0.1))
         client.run(_spin_here, 0)  # imports this module (and dask-shm) on the worker
-        client.run(reset)
-        client.run(_spin_in_dask_shm, 0.4)
-        client.run(_spin_here, 0.4)
-        (worker_report,) = client.run(report).values()
+        yield client
+
+
+def test_long_callbacks_are_charged_to_the_code_that_ran(client: Client) -> None:
+    client.run(reset)
+    client.run(_spin_in_dask_shm, 0.4)
+    client.run(_spin_here, 0.4)
+    (worker_report,) = client.run(report).values()
     slow = worker_report["slow"]
     assert worker_report["callbacks"] > 0
-    assert len(slow) == 2, slow
-    ours = next(s for s in slow if s["owner_seconds"].get("dask_shm", 0) > 0.2)
-    theirs = next(s for s in slow if s is not ours)
+    # the two spins (a loaded host may add slow callbacks of its own)
+    (ours,) = [s for s in slow if any("spill_store.py:file_stem" in n for n, _ in s["top"])]
+    (theirs,) = [
+        s for s in slow if s is not ours and any("worker.py:run" in n for n, _ in s["top"])
+    ]
     assert 0.4 <= ours["seconds"] < 1.0
     assert ours["owner_seconds"]["dask_shm"] > 0.8 * ours["seconds"]
     assert ours["owner_cpu_seconds"]["dask_shm"] > 0.5 * ours["seconds"]  # it spun
-    assert any("spill_store.py:file_stem" in name for name, _ in ours["top"])
+    assert theirs["seconds"] >= 0.4
     assert theirs["owner_seconds"].get("dask_shm", 0) < 0.05
     assert theirs["owner_seconds"]["distributed"] > 0.8 * theirs["seconds"]
     figures = summary({"w": worker_report})
-    assert figures["slow_callbacks"] == 2
+    assert figures["slow_callbacks"] >= 2
     assert 0.8 * 400 < figures["max_dask_shm_ms"] <= figures["max_callback_ms"]
 
 
@@ -80,23 +90,11 @@ def _collect_garbage_in_the_loop(objects: int) -> float:
     return seconds
 
 
-def test_garbage_collection_is_charged_to_gc() -> None:
-    with (
-        LocalCluster(
-            n_workers=1,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        client.register_plugin(LoopAttribution(threshold=0.1))
-        client.run(_spin_here, 0)  # imports this module (and dask-shm) on the worker
-        client.run(reset)
-        (gc_seconds,) = client.run(_collect_garbage_in_the_loop, 3_000_000).values()
-        (worker_report,) = client.run(report).values()
+def test_garbage_collection_is_charged_to_gc(client: Client) -> None:
+    client.run(reset)
+    (gc_seconds,) = client.run(_collect_garbage_in_the_loop, 3_000_000).values()
+    (worker_report,) = client.run(report).values()
     assert gc_seconds > 0.1, "the collection was too quick to be a slow callback"
-    (slow,) = [s for s in worker_report["slow"] if s["owner_seconds"].get("gc", 0) > 0]
+    slow = max(worker_report["slow"], key=lambda s: s["owner_seconds"].get("gc", 0))
     assert slow["owner_seconds"]["gc"] >= 0.9 * gc_seconds
     assert slow["owner_seconds"].get("dask_shm", 0) < 0.05, slow

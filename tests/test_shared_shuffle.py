@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Any
 
 import dask
 import dask.array as da
@@ -44,10 +45,13 @@ def _own_network_unavailable() -> str | None:
     return None if probe.returncode == 0 else f"unshare --net failed: {probe.stderr.strip()}"
 
 
-def run_workload(mode: str, root: str) -> dict[str, dict]:
-    """p2p_workload.py in a network namespace of its own: its ``lo`` counts
-    only this cluster's traffic."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+def run_workload(
+    mode: str, root: str, env: dict[str, str] | None = None, preexec_fn: Any = None
+) -> dict[str, dict]:
+    """p2p_workload.py in a network namespace of its own (its ``lo`` counts
+    only this cluster's traffic), with ``env`` added to ours, ``preexec_fn``
+    run in the child before it starts (e.g. to join a cgroup)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
     proc = subprocess.run(
         [
             "unshare",
@@ -63,6 +67,7 @@ def run_workload(mode: str, root: str) -> dict[str, dict]:
         text=True,
         timeout=600,
         check=False,
+        preexec_fn=preexec_fn,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -5,7 +5,6 @@ real tmpfs; skipped with the reason where the kernel feature is missing."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -21,7 +20,7 @@ from distributed import Client, LocalCluster
 from memory_cgroup import memory_cgroup
 from memory_cgroup import unavailable_reason as cgroup_unavailable
 from p2p_workload import shuffled_checksum
-from test_shared_shuffle import HERE, expected_checksum, leftovers
+from test_shared_shuffle import HERE, expected_checksum, leftovers, run_workload
 
 GiB = 2**30
 
@@ -44,33 +43,9 @@ def run_in_cgroup(mode: str, root: str, limit: int) -> tuple[dict[str, dict], in
     """p2p_workload.py (2 workers, memory limits "auto") inside a fresh memory
     cgroup of ``limit`` bytes and a network namespace of its own; returns its
     results by workload and the cgroup's OOM kills."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(sys.path),
-        "P2P_MEMORY_LIMIT": "auto",
-    }
     with memory_cgroup(limit) as cg:
-        proc = subprocess.run(
-            [
-                "unshare",
-                "--net",
-                "sh",
-                "-c",
-                f'ip link set lo up && exec "$0" p2p_workload.py {mode} {root}',
-                sys.executable,
-            ],
-            cwd=HERE,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-            preexec_fn=cg.add_self,
-        )
-        kills = cg.oom_kills()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["workload"]: r for r in results}, kills
+        results = run_workload(mode, root, {"P2P_MEMORY_LIMIT": "auto"}, cg.add_self)
+        return results, cg.oom_kills()
 
 
 @pytest.mark.timeout(900)
