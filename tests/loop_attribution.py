@@ -65,6 +65,8 @@ def owner_of(frame: FrameType | None) -> tuple[str, str]:
 class SlowCallback:
     """One callback that held the loop ``seconds`` or more than the threshold."""
 
+    #: ``time.perf_counter()`` in the worker when the callback began
+    started: float
     seconds: float
     #: CPU time of the loop thread during the callback
     cpu_seconds: float
@@ -148,6 +150,7 @@ class _Sampler:
             by_owner_cpu["unsampled"] = cpu_left
         self.slow.append(
             SlowCallback(
+                started=started,
                 seconds=seconds,
                 cpu_seconds=cpu_seconds,
                 callback=repr(handle)[:300],
