@@ -152,9 +152,7 @@ class SharedSpillStore(SpillStore):
         start = perf_counter()
         name = self.adopt_born(key, value)
         if name is not None:
-            self._digest("disk-write", perf_counter() - start, "seconds")
-            self._digest("disk-write", 1, "count")
-            self._digest("disk-write", born.header_size(), "bytes")
+            self._digest_write(perf_counter() - start, born.header_size())
             # The born file is ours now: read-only, and its fingerprint is the
             # one later reads are checked against.
             self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
