@@ -9,6 +9,7 @@ tmpfs space, the tier-2 budget),
 :mod:`.paths` (directories, cleanup), :mod:`.payload` (what is worth sharing),
 :mod:`.transfer` (handles, receiving), :mod:`.sender` (get_data),
 :mod:`.registry` (same-host peers), :mod:`.monitor` (memory monitors),
+:mod:`.relief` (tier 2 gives way under memory pressure),
 :mod:`.metrics`, :mod:`.plugin`.
 """
 

@@ -237,6 +237,23 @@ class SharedSpillBuffer(SpillBuffer):
         and go, with link counts as of the last :meth:`refresh_links`."""
         return self.store.tiers.ram_bytes()
 
+    def cap_tier2(self, limit: int | None) -> int:
+        """Lower tier 2's budget to ``limit`` bytes for a while (None: back to
+        the configured one; never above it); new files then go past it, and
+        :meth:`relieve_tier2` moves what it holds over the budget. Returns
+        the budget now."""
+        with self._operation_lock:
+            return self.store.tiers.cap(limit)
+
+    def relieve_tier2(self, max_bytes: int) -> int:
+        """Move about ``max_bytes`` (at least one file) of tier 2's least
+        recently used unpinned files over its budget to the next tier; returns
+        the bytes moved, 0 when nothing over the budget may move. Runs under
+        the operation lock (no read or write of this buffer meanwhile), so
+        ``max_bytes`` bounds how long others wait."""
+        with self._operation_lock:
+            return self.store.tiers.relieve(max_bytes)
+
     def refresh_links(self) -> int:
         """Correct the link counts behind :meth:`tier2_bytes` that other
         processes changed (a peer dropped or added a link): O(shared files),

@@ -22,6 +22,7 @@ from dask_shm.shared import (
     monitor,
     p2p,
     paths,
+    relief,
     root_id,
     transfer,
 )
@@ -144,6 +145,7 @@ class SharedMemoryPlugin(WorkerPlugin):
                 logger.info("dask-shm: P2P shard batches go as bytes: %s", e)
         self._registry.register(worker.address, tokens.values())
         monitor.install_worker_monitor(worker, buffer)
+        self._relief = relief.start_for_worker(worker, buffer)
         metrics.install(worker)
         # After the monitor: born-shared bytes are added on top of it.
         self._born = born_worker.BornSharedPlugin(born_settings, announce=False)
@@ -171,6 +173,8 @@ class SharedMemoryPlugin(WorkerPlugin):
         worker.__dict__.pop("update_data", None)
         worker.handlers["gather"] = self._original_gather
         monitor.uninstall_worker_monitor(worker)
+        if (tier2_relief := getattr(self, "_relief", None)) is not None:
+            tier2_relief.stop()
         metrics.uninstall(worker)
         buffer = self._buffer
         if transfer.receiver() is buffer:

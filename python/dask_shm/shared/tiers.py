@@ -234,6 +234,11 @@ class TieredFiles:
         self.overflow_writes = 0
         #: names of the tiers that reported ENOSPC/EDQUOT (their budget shrank)
         self.full: set[str] = set()
+        #: the most the first tier may hold: its budget as opened, lowered to
+        #: what it held when its root reported full (:meth:`cap` lowers its
+        #: budget below this for a while, never above)
+        first_budget = self._first.budget
+        self._ceiling = 0 if first_budget is None else first_budget.limit
         #: called as ``on_moved(name, new path)`` after an entry moved to a later
         #: tier (the file there is a new inode: its owner re-seals and
         #: re-fingerprints it)
@@ -324,6 +329,40 @@ class TieredFiles:
                     self._move(name, index)
             return fits
 
+    def relieve(self, max_bytes: int) -> int:
+        """Like :meth:`enforce` without incoming bytes, but stop once about
+        ``max_bytes`` have moved (at least one file, if any must move): a
+        step that holds the lock for a bounded time. Returns the bytes moved;
+        0 when every tier is within its budget or nothing over it may move
+        (pinned)."""
+        with self._lock:
+            before = self.moved_bytes
+            for index, tier in enumerate(self.tiers[:-1]):
+                assert tier.budget is not None
+                victims, _ = tier.budget.plan(0)
+                for name in victims:
+                    self._move(name, index)
+                    if self.moved_bytes - before >= max_bytes:
+                        return self.moved_bytes - before
+            return self.moved_bytes - before
+
+    @property
+    def first_ceiling(self) -> int:
+        """The most the first tier may hold (its configured budget, or what
+        it held when its root reported full)."""
+        return self._ceiling
+
+    def cap(self, limit: int | None) -> int:
+        """Set the first tier's budget to ``limit`` bytes, at most
+        :attr:`first_ceiling` (None: back to it); returns the budget now.
+        Files over it move at the next write or :meth:`relieve`."""
+        budget = self._first.budget
+        if budget is None:
+            return 0
+        with self._lock:
+            budget.limit = self._ceiling if limit is None else max(0, min(limit, self._ceiling))
+            return int(budget.limit)
+
     def pin(self, name: str) -> None:
         """A value in memory maps ``name``'s file: it stays where it is."""
         with self._lock:
@@ -397,6 +436,8 @@ class TieredFiles:
             )
         self.full.add(tier.name)
         tier.budget.limit = min(tier.budget.limit, tier.budget.used)
+        if index == 0:
+            self._ceiling = min(self._ceiling, tier.budget.used)
 
     def adopt(self, path: str, size: int, stem: str, memory: int) -> tuple[str, int]:
         """Hard-link a peer's validated file in, into the linkable tier whose

@@ -1,0 +1,187 @@
+"""Tier 2 gives way under memory pressure (dask_shm.shared.relief), as stock's
+spilling gives managed memory way: a full tier 2 must not get a worker
+restarted that stock keeps."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+from distributed import wait
+
+from dask_shm.shared import SharedSpillBuffer, shm_metrics
+from dask_shm.shared.relief import Tier2Relief
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from clusters import process_cluster  # noqa: E402
+from p2p_workload import shared_config  # noqa: E402
+
+MiB = 2**20
+GiB = 2**30
+
+
+# --- the policy, on a real buffer in one process ---------------------------------
+
+
+@pytest.fixture
+def tier2_buffer(shm_dir, tmp_path):
+    buf = SharedSpillBuffer.create(
+        0,  # everything goes to files
+        root=shm_dir,
+        disk_root=str(tmp_path / "disk"),
+        budget=40 * MiB,
+        min_size=64 * 1024,
+        min_shared_fraction=0.5,
+    )
+    yield buf
+    buf.close()
+
+
+def test_tier2_is_capped_above_spill_and_given_back_below_target(tier2_buffer):
+    buf = tier2_buffer
+    tiers = buf.store.tiers
+    values = {f"k{i}": np.full(MiB, i, dtype="f8") for i in range(4)}  # 8 MiB each
+    for k, v in values.items():
+        buf[k] = v
+    assert {tiers.tier_of(buf.store.file_of(k)) for k in values} == {2}
+    rest = [50 * MiB]  # the worker's memory besides tier 2
+
+    relief = Tier2Relief(
+        buf, lambda: rest[0] + buf.tier2_bytes(), limit=100 * MiB, spill=0.7, target=0.6
+    )
+    # 50 + 32 MiB > 70 (spill): tier 2 may keep 60 - 50 = 10 MiB, one file.
+    moved = relief.check()
+    assert relief.capped and relief.episodes == 1
+    assert tiers.tier("shared").budget.limit == 10 * MiB
+    where = {k: tiers.tier_of(buf.store.file_of(k)) for k in values}
+    assert sorted(where.values()) == [2, 3, 3, 3], where
+    assert where["k3"] == 2, "the most recently used file stays"
+    assert moved >= 24 * MiB and buf.tier2_bytes() <= 10 * MiB
+    # A spill while capped goes past tier 2.
+    buf["k4"] = np.full(MiB, 4, dtype="f8")
+    assert tiers.tier_of(buf.store.file_of("k4")) == 3
+
+    # Between target and spill, the cap stays.
+    rest[0] = 55 * MiB
+    assert relief.check() == 0 and tiers.tier("shared").budget.limit == 10 * MiB
+    # Below target, it rises with the room left, then goes when it reaches the budget.
+    rest[0] = 40 * MiB
+    relief.check()
+    assert relief.capped and tiers.tier("shared").budget.limit == 20 * MiB
+    rest[0] = 10 * MiB
+    relief.check()
+    assert not relief.capped and tiers.tier("shared").budget.limit == 40 * MiB
+    buf["k5"] = np.full(MiB, 5, dtype="f8")
+    assert tiers.tier_of(buf.store.file_of("k5")) == 2
+
+    values.update(k4=np.full(MiB, 4, dtype="f8"), k5=np.full(MiB, 5, dtype="f8"))
+    for k, v in values.items():
+        np.testing.assert_array_equal(buf[k], v)
+
+
+def test_files_mapped_by_values_in_memory_stay(tier2_buffer):
+    buf = tier2_buffer
+    tiers = buf.store.tiers
+    for i in range(3):
+        buf[f"k{i}"] = np.full(MiB, i, dtype="f8")
+    buf.n = 64 * MiB  # room in memory: a read keeps the value mapped
+    held = buf["k0"]  # mapped: its file is pinned
+    assert "k0" in buf.store.retained
+    relief = Tier2Relief(buf, lambda: 90 * MiB, limit=100 * MiB, spill=0.7, target=0.6)
+    relief.check()
+    assert tiers.tier("shared").budget.limit == 0
+    assert tiers.tier_of(buf.store.file_of("k0")) == 2
+    assert {tiers.tier_of(buf.store.file_of(k)) for k in ("k1", "k2")} == {3}
+    # Once the value leaves memory (distributed's eviction), the next check moves it.
+    buf.evict()
+    del held
+    relief.check()
+    assert tiers.tier_of(buf.store.file_of("k0")) == 3
+    np.testing.assert_array_equal(buf["k0"], np.full(MiB, 0, dtype="f8"))
+
+
+def test_stop_gives_the_budget_back(tier2_buffer):
+    buf = tier2_buffer
+    relief = Tier2Relief(
+        buf, lambda: 90 * MiB, limit=100 * MiB, spill=0.7, target=0.6, interval=0.01
+    ).start()
+    deadline = time.monotonic() + 10
+    while not relief.capped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert buf.store.tiers.tier("shared").budget.limit == 0
+    relief.stop()
+    assert buf.store.tiers.tier("shared").budget.limit == 40 * MiB
+
+
+def test_thresholds_are_checked():
+    with pytest.raises(ValueError, match="target"):
+        Tier2Relief(None, int, limit=GiB, spill=0.6, target=0.7)  # type: ignore[arg-type]
+
+
+# --- a real worker and nanny, stock against shared ----------------------------------
+
+LIMIT = GiB
+VALUE = 10 * MiB
+VALUES = 20
+
+
+def _make(i: int) -> np.ndarray:
+    return np.random.default_rng(i).random(VALUE // 8)
+
+
+def _evict_all(dask_worker) -> int:
+    """What distributed's spilling does under pressure: evict every value in memory."""
+    data = dask_worker.data
+    n = 0
+    while data.fast and data.evict() != -1:
+        n += 1
+    return n
+
+
+def _grow_private_memory(fraction: float, limit: int) -> int:
+    """Allocate private memory in steps until the process's private memory
+    is ``fraction`` of ``limit`` (a shuffle's transient memory growing), hold
+    it a while, free it; returns the bytes allocated."""
+    from dask_shm.procmem import process_memory
+
+    chunks = []
+    step = 16 * MiB
+    while process_memory().private + step <= fraction * limit:
+        chunks.append(np.ones(step, dtype="u1"))
+        time.sleep(0.05)
+    time.sleep(2)
+    return sum(c.nbytes for c in chunks)
+
+
+@pytest.mark.parametrize("mode", ["stock", "shared"])
+def test_a_full_tier2_does_not_get_a_worker_restarted_that_stock_keeps(shm_dir, mode):
+    """Spilled values fill tier 2 (~200 MiB of a 1 GiB worker), then a task's
+    private memory grows to 82% of the limit: stock's spilled values are on
+    disk and count nothing, so it stays below terminate (95%); in shared
+    mode tier 2 must give way the same, instead of adding its 200 MiB."""
+    config = shared_config(shm_dir) if mode == "shared" else {}
+    with process_cluster(1, LIMIT, config) as client:
+        futures = [client.submit(_make, i, key=f"v-{i}") for i in range(VALUES)]
+        wait(futures)
+        assert sum(client.run(_evict_all).values()) == VALUES
+        if mode == "shared":
+            (before,) = client.run(shm_metrics).values()
+            assert before["shared_bytes"] >= 0.9 * VALUES * VALUE, before
+        grown = client.submit(_grow_private_memory, 0.82, LIMIT, pure=False).result(timeout=120)
+        assert grown > 300 * MiB
+        assert not client.get_events("worker-restart-memory")
+        assert len(client.scheduler_info()["workers"]) == 1
+        sums = client.gather([client.submit(np.sum, f) for f in futures])
+        assert sums == [pytest.approx(float(np.sum(_make(i)))) for i in range(VALUES)]
+        if mode == "shared":
+            (after,) = client.run(shm_metrics).values()
+            assert after["disk_moves"] >= VALUES // 2, after
+            # Memory is back below target: tier 2 has its budget again.
+            deadline = time.monotonic() + 10
+            while after["shared_budget"] < before["shared_budget"]:
+                assert time.monotonic() < deadline, (before, after)
+                time.sleep(0.1)
+                (after,) = client.run(shm_metrics).values()
