@@ -25,6 +25,7 @@ import pytest
 from clusters import process_cluster, worker_addresses
 from distributed import Client, futures_of, wait
 from hosts import two_hosts
+from namespaces import unavailable_reason as unshare_unavailable
 from p2p_workload import (
     ARRAY_SIDE,
     PARTITIONS,
@@ -36,13 +37,6 @@ from p2p_workload import (
 from tmpfs import small_tmpfs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _own_network_unavailable() -> str | None:
-    probe = subprocess.run(
-        ["unshare", "--net", "true"], capture_output=True, text=True, check=False
-    )
-    return None if probe.returncode == 0 else f"unshare --net failed: {probe.stderr.strip()}"
 
 
 def run_workload(
@@ -75,7 +69,7 @@ def run_workload(
 
 
 def test_shuffle_and_rechunk_go_by_file_with_stock_results():
-    reason = _own_network_unavailable()
+    reason = unshare_unavailable("--net")
     if reason:
         pytest.skip(reason)
     with small_tmpfs("1g") as root:

@@ -11,7 +11,8 @@ environment, dask-shm's preloads) and a scheduler in this process:
   then a whole container killed.
 
 Real processes, real tmpfs and cgroups; skipped with the reason where the
-kernel feature is missing.
+kernel feature is missing. The namespaces and the workers' command lines:
+``namespaces.py``.
 """
 
 from __future__ import annotations
@@ -35,19 +36,20 @@ import pytest
 from distributed import Client, LocalCluster, wait
 from memory_cgroup import MemoryCgroup, memory_cgroup
 from memory_cgroup import unavailable_reason as cgroup_unavailable
+from namespaces import (
+    dask_worker,
+    host_pid,
+    in_container,
+    in_namespaces_of,
+    in_own_pid_namespace,
+    kill_container,
+    stop,
+)
+from namespaces import unavailable_reason as unshare_unavailable
 from test_shared_shuffle import HERE, leftovers
 
 GiB = 2**30
 MiB = 2**20
-
-
-def _unshare_unavailable(*flags: str) -> str | None:
-    if shutil.which("unshare") is None:
-        return "no unshare command"
-    probe = subprocess.run(["unshare", *flags, "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"unshare {' '.join(flags)} failed: {probe.stderr.strip()}"
-    return None
 
 
 def shared_env(root: str, temporary_directory: str) -> dict[str, str]:
@@ -62,25 +64,6 @@ def shared_env(root: str, temporary_directory: str) -> dict[str, str]:
     }
 
 
-def dask_worker(address: str, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "distributed.cli.dask_worker",
-        address,
-        "--host",
-        "127.0.0.1",
-        "--nthreads",
-        "1",
-        "--preload",
-        "dask_shm",
-        "--preload-nanny",
-        "dask_shm",
-        "--no-dashboard",
-        *args,
-    ]
-
-
 @contextmanager
 def scheduler() -> Iterator[tuple[LocalCluster, Client]]:
     with (
@@ -91,33 +74,6 @@ def scheduler() -> Iterator[tuple[LocalCluster, Client]]:
         Client(cluster) as client,
     ):
         yield cluster, client
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to each ``dask worker`` (a clean close, as a container stop
-    sends it to the container's PID 1), SIGKILL to its session after 60 s.
-    ``unshare --fork`` does not pass signals on: its child gets them."""
-    for p in procs:
-        if p.poll() is None:
-            fork = "--fork" in p.args
-            for pid in psutil_children(p.pid) if fork else [p.pid]:
-                os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-def psutil_children(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [c.pid for c in psutil.Process(pid).children()]
-    except psutil.NoSuchProcess:
-        return []
 
 
 def files_left(root: str, scratch: str) -> list[str]:
@@ -208,29 +164,6 @@ def rechunked_sum(x: da.Array) -> float:
 # --- inside a container's memory cgroup ----------------------------------------
 
 
-def in_container(cg: MemoryCgroup, command: list[str]) -> list[str]:
-    """``command`` as a container runtime starts it: in a cgroup namespace
-    of its own whose memory hierarchy (``/sys/fs/cgroup/memory``, v2:
-    ``/sys/fs/cgroup``) is the container's cgroup, where ``distributed``'s
-    ``memory_limit="auto"`` reads the limit; the process itself must be put
-    in ``cg`` (``preexec_fn=cg.add_self``)."""
-    target = "/sys/fs/cgroup/memory" if cg.version == "v1" else "/sys/fs/cgroup"
-    return [
-        "unshare",
-        "--cgroup",
-        "--mount",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        'mount --bind "$1" "$2" && shift 2 && exec "$@"',
-        "sh",
-        cg.path,
-        target,
-        *command,
-    ]
-
-
 def worker_limits(dask_worker) -> dict:  # type: ignore[no-untyped-def]
     """What the worker took its limits from: distributed's memory limit,
     dask-shm's reading of the cgroup and its tier-2 budget."""
@@ -291,7 +224,7 @@ def test_p2p_inside_a_memory_cgroup(tmp_path, style):
     disk), and a clean stop leaves no file on either tier."""
     start, memory_limit = CGROUP_STYLES[style]
     why = cgroup_unavailable() or (
-        _unshare_unavailable("--cgroup", "--mount") if style == "container" else None
+        unshare_unavailable("--cgroup", "--mount") if style == "container" else None
     )
     if why:
         pytest.skip(why)
@@ -421,28 +354,6 @@ def test_tier2_budgets_fit_a_job_cgroup_with_memory_limit_auto(tmp_path):
 # --- workers in PID namespaces of their own, one tmpfs -------------------------
 
 
-def in_own_pid_namespace(command: list[str]) -> list[str]:
-    """``command`` as PID 1 of a new PID namespace with its own ``/proc``
-    (a container sharing ``/dev/shm`` with the others)."""
-    return ["unshare", "--pid", "--fork", "--mount-proc", *command]
-
-
-def host_pid(ancestor: int, pid_in_namespace: int) -> int:
-    """The pid, in this namespace, of the descendant of ``ancestor`` whose
-    pid in its own namespace is ``pid_in_namespace``."""
-    import psutil
-
-    for child in psutil.Process(ancestor).children(recursive=True):
-        try:
-            with open(f"/proc/{child.pid}/status") as f:
-                nspid = next(line for line in f if line.startswith("NSpid:")).split()[1:]
-        except (OSError, StopIteration):
-            continue
-        if len(nspid) > 1 and int(nspid[-1]) == pid_in_namespace:
-            return child.pid
-    raise LookupError(f"no process {pid_in_namespace} below {ancestor}")
-
-
 def facts(dask_worker) -> dict:  # type: ignore[no-untyped-def]
     """Where the worker runs and what of the shared root it uses."""
     from dask_shm.shared import p2p
@@ -491,7 +402,7 @@ def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
     means nothing there. The two shuffle by file again. Then ns0's whole
     container is killed, and ``dask shm clean`` in ns1's namespace removes
     its directories and nothing of ns1's. Stopping ns1 leaves no file."""
-    why = _unshare_unavailable("--pid", "--fork", "--mount-proc")
+    why = unshare_unavailable("--pid", "--fork", "--mount-proc")
     if why:
         pytest.skip(why)
     if shutil.which("nsenter") is None:
@@ -590,12 +501,7 @@ def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
                 # ns0's container dies (SIGKILL to its PID 1 kills all in it):
                 # `dask shm clean` in ns1's namespace removes its directories
                 # on both roots and nothing of ns1's
-                init0 = psutil_children(procs[0].pid)[0]
-                semaphores = named_semaphores(init0)
-                assert semaphores, "no semaphores found: maps not readable?"
-                os.kill(init0, signal.SIGKILL)
-                procs[0].wait(30)
-                remove(semaphores)
+                kill_container(procs[0])
                 removed = clean_in_namespace_of(procs[1], root, scratch, env)
                 assert removed == sorted([new0["process_dir"], new0["disk_process_dir"]])
                 assert not os.path.exists(new0["process_dir"])
@@ -622,11 +528,11 @@ def clean_in_namespace_of(
     """``dask shm clean`` on the tmpfs root and the disk root, run in the PID
     and mount namespaces of ``proc``'s ``unshare --fork`` child (as in that
     container); the directories it says it removed."""
-    init = psutil_children(proc.pid)[0]
     disk_root = os.path.join(scratch, "dask-scratch-space")
     done = subprocess.run(
-        ["nsenter", "--target", str(init), "--pid", "--mount"]
-        + [sys.executable, "-m", "dask_shm", "clean", "--root", root, "--root", disk_root],
+        in_namespaces_of(
+            proc, [sys.executable, "-m", "dask_shm", "clean", "--root", root, "--root", disk_root]
+        ),
         env=env,
         capture_output=True,
         text=True,
@@ -636,36 +542,6 @@ def clean_in_namespace_of(
     return sorted(
         line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("removed ")
     )
-
-
-def named_semaphores(pid: int) -> list[str]:
-    """The multiprocessing semaphores (``/dev/shm/sem.mp-*``, stock's) that
-    process ``pid`` and its descendants map under their names."""
-    import psutil
-
-    found = set()
-    for p in [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]:
-        try:
-            with open(f"/proc/{p}/maps") as f:
-                found |= {
-                    line.split()[-1]
-                    for line in f
-                    if "/dev/shm/sem.mp-" in line and not line.rstrip().endswith("(deleted)")
-                }
-        except OSError:
-            continue
-    return sorted(found)
-
-
-def remove(paths: list[str]) -> None:
-    """Unlink ``paths``: a killed container's named semaphores, which its
-    multiprocessing resource tracker, killed with it, cannot remove (stock
-    distributed's, not dask-shm's files: left to the test to clean)."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def _total(x) -> float:  # type: ignore[no-untyped-def]
