@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any
 
 import dask
 import dask.array as da
@@ -39,13 +38,10 @@ from tmpfs import small_tmpfs
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_workload(
-    mode: str, root: str, env: dict[str, str] | None = None, preexec_fn: Any = None
-) -> dict[str, dict]:
-    """p2p_workload.py in a network namespace of its own (its ``lo`` counts
-    only this cluster's traffic), with ``env`` added to ours, ``preexec_fn``
-    run in the child before it starts (e.g. to join a cgroup)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
+def run_workload(mode: str, root: str) -> dict[str, dict]:
+    """p2p_workload.py in a network namespace of its own: its ``lo`` counts
+    only this cluster's traffic."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(
         [
             "unshare",
@@ -61,7 +57,6 @@ def run_workload(
         text=True,
         timeout=600,
         check=False,
-        preexec_fn=preexec_fn,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

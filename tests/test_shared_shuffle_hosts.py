@@ -5,7 +5,9 @@ environment, dask-shm's preloads) and a scheduler in this process:
 - workers inside a memory cgroup with a limit near the data: a container's
   (Kubernetes, Docker: a cgroup namespace whose ``/sys/fs/cgroup/memory`` is
   the container's cgroup, ``--memory-limit auto``) or a batch job's (SLURM:
-  no cgroup namespace, the job's memory split among the workers by hand);
+  no cgroup namespace, the job's memory split among the workers by hand, or
+  ``--memory-limit auto``, which does not see the job's cgroup: there stock
+  workers run the same shuffle and rechunk in the same cgroup for reference);
 - workers in PID namespaces of their own sharing one tmpfs root
   (containers sharing ``/dev/shm``), one killed with SIGKILL mid-shuffle,
   then a whole container killed.
@@ -24,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import dask
 import dask.array as da
@@ -46,21 +49,29 @@ from namespaces import (
     stop,
 )
 from namespaces import unavailable_reason as unshare_unavailable
+from p2p_workload import p2p_counters, rechunked_checksum, shard_files, shuffled_checksum
 from test_shared_shuffle import HERE, leftovers
 
 GiB = 2**30
 MiB = 2**20
 
 
-def shared_env(root: str, temporary_directory: str) -> dict[str, str]:
-    """Shared-memory mode by environment, as a job script or pod spec sets it."""
+def stock_env(temporary_directory: str) -> dict[str, str]:
+    """Stock ``dask worker``'s environment here (dask-shm only if preloaded)."""
     return {
-        "DASK_SHM__SHARED_MEMORY__ENABLED": "True",
-        "DASK_SHM__SHARED_MEMORY__ROOT": root,
         "DASK_TEMPORARY_DIRECTORY": temporary_directory,
         "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
         # the workers unpickle this module's functions
         "PYTHONPATH": os.pathsep.join([HERE, *sys.path]),
+    }
+
+
+def shared_env(root: str, temporary_directory: str) -> dict[str, str]:
+    """Shared-memory mode by environment, as a job script or pod spec sets it."""
+    return {
+        **stock_env(temporary_directory),
+        "DASK_SHM__SHARED_MEMORY__ENABLED": "True",
+        "DASK_SHM__SHARED_MEMORY__ROOT": root,
     }
 
 
@@ -161,7 +172,7 @@ def rechunked_sum(x: da.Array) -> float:
     return float((y * np.arange(x.shape[1], dtype=float)).sum().compute())
 
 
-# --- inside a container's memory cgroup ----------------------------------------
+# --- inside a memory cgroup: a container's or a batch job's ---------------------
 
 
 def worker_limits(dask_worker) -> dict:  # type: ignore[no-untyped-def]
@@ -213,6 +224,55 @@ CGROUP_STYLES = {
 }
 
 
+@contextmanager
+def workers_in_cgroup(
+    cg: MemoryCgroup,
+    start: Callable[[MemoryCgroup, list[str]], list[str]],
+    env: dict[str, str],
+    memory_limit: str,
+    log: Path,
+    preload: bool = True,
+) -> Iterator[Client]:
+    """A scheduler here and ``dask worker --nworkers 2 --memory-limit
+    memory_limit`` (with dask-shm's preloads unless ``preload`` is False)
+    in ``cg``, started as ``start`` (:func:`in_container`, :func:`in_job`)
+    says, under ``env`` added to ours, its output in ``log``; yields a client
+    once both workers are there. The workers are stopped (cleanly) before
+    the scheduler closes."""
+    with scheduler() as (cluster, client), open(log, "w") as out:
+        command = dask_worker(
+            cluster.scheduler_address,
+            "--nworkers",
+            "2",
+            "--memory-limit",
+            memory_limit,
+            preload=preload,
+        )
+        proc = subprocess.Popen(
+            start(cg, command),
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=cg.add_self,
+        )
+        try:
+            client.wait_for_workers(2, timeout=120)
+            yield client
+        finally:
+            stop([proc])
+
+
+def events(log: Path) -> str:
+    """What the workers said in ``log`` of warnings, errors, restarts and
+    memory limits exceeded."""
+    return "\n".join(
+        line
+        for line in log.read_text().splitlines()
+        if "WARNING" in line or "ERROR" in line or "Restarting" in line or "exceeded" in line
+    )
+
+
 @pytest.mark.parametrize("style", CGROUP_STYLES)
 def test_p2p_inside_a_memory_cgroup(tmp_path, style):
     """Two workers (``dask worker --nworkers 2``) in a 1.5 GiB memory cgroup
@@ -231,54 +291,34 @@ def test_p2p_inside_a_memory_cgroup(tmp_path, style):
     root = tempfile.mkdtemp(prefix=f"dask-shm-p2p-{style}-", dir="/dev/shm")
     scratch = str(tmp_path / "scratch")
     os.mkdir(scratch)
-    env = {**os.environ, **shared_env(root, scratch)}
+    log = tmp_path / "workers.log"
     x = rechunk_input(4096)
     try:
         with memory_cgroup(CGROUP_LIMIT) as cg:
-            with scheduler() as (cluster, client):
-                command = dask_worker(
-                    cluster.scheduler_address, "--nworkers", "2", "--memory-limit", memory_limit
-                )
-                log = open(tmp_path / "workers.log", "w")  # noqa: SIM115
-                proc = subprocess.Popen(
-                    start(cg, command),
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=cg.add_self,
-                )
-                try:
-                    client.wait_for_workers(2, timeout=120)
-                    pids = client.run(os.getpid)
-                    limits = client.run(worker_limits)
-                    out = client.persist(
-                        dd.from_map(frame_part, range(PARTITIONS), rows=ROWS).shuffle(
-                            "k", shuffle_method="p2p"
-                        )
+            with workers_in_cgroup(
+                cg, start, shared_env(root, scratch), memory_limit, log
+            ) as client:
+                pids = client.run(os.getpid)
+                limits = client.run(worker_limits)
+                out = client.persist(
+                    dd.from_map(frame_part, range(PARTITIONS), rows=ROWS).shuffle(
+                        "k", shuffle_method="p2p"
                     )
-                    wait(out)
-                    held = client.run(where_held)
-                    got = digest(out)
-                    del out
-                    after_shuffle = counters(client)
-                    rechunked = rechunked_sum(x)
-                    after_rechunk = counters(client)
-                    restarted = client.run(os.getpid) != pids
-                finally:
-                    stop([proc])
-                    log.close()
+                )
+                wait(out)
+                held = client.run(where_held)
+                got = digest(out)
+                del out
+                after_shuffle = counters(client)
+                rechunked = rechunked_sum(x)
+                after_rechunk = counters(client)
+                restarted = client.run(os.getpid) != pids
             oom_kills = cg.oom_kills()
     finally:
         left = files_left(root, scratch)
         shutil.rmtree(root, ignore_errors=True)
-    events = "\n".join(
-        line
-        for line in (tmp_path / "workers.log").read_text().splitlines()
-        if "WARNING" in line or "ERROR" in line or "Restarting" in line or "exceeded" in line
-    )
-    assert oom_kills == 0, events
-    assert not restarted, events
+    assert oom_kills == 0, events(log)
+    assert not restarted, events(log)
     for figures in limits.values():
         # dask-shm reads the cgroup (and in a container, so does distributed)
         assert figures["cgroup_limit"] == CGROUP_LIMIT, limits
@@ -312,43 +352,75 @@ def test_p2p_inside_a_memory_cgroup(tmp_path, style):
     assert left == [], left
 
 
-def test_tier2_budgets_fit_a_job_cgroup_with_memory_limit_auto(tmp_path):
+def p2p_workloads(client: Client, root: str) -> dict[str, dict]:
+    """p2p_workload's shuffle and rechunk (48 MiB, 128 MiB) on ``client``'s
+    workers, stock or shared: by workload, its checksum, the P2P counters it
+    moved (summed over the workers) and the batch files under ``root`` right
+    after it."""
+    results = {}
+    for name, workload in (("shuffle", shuffled_checksum), ("rechunk", rechunked_checksum)):
+        before = client.run(p2p_counters)
+        checksum = workload(client)
+        after = client.run(p2p_counters)
+        moved: dict[str, float] = {}
+        for address, figures in after.items():
+            for k, v in figures.items():
+                moved[k] = moved.get(k, 0) + v - before.get(address, {}).get(k, 0)
+        results[name] = {"checksum": checksum, "counters": moved, "files_left": shard_files(root)}
+    return results
+
+
+@pytest.mark.timeout(900)
+def test_p2p_inside_a_job_cgroup_with_memory_limit_auto(tmp_path):
     """``dask worker --nworkers 2 --memory-limit auto`` in a batch job's
-    1.5 GiB cgroup (``srun dask worker ...``): dask-shm reads the cgroup's
-    limit, and the tmpfs files the workers may keep (charged to the cgroup,
-    not reclaimable without swap) fit in it, although distributed's "auto"
-    gives each worker half the host's memory here (it reads the cgroup
-    hierarchy's root): the tier-2 budget is capped by the cgroup's limit."""
+    1.5 GiB cgroup (``srun dask worker ...``), stock, then in shared-memory
+    mode in a cgroup of the same limit. distributed's "auto" gives each
+    worker half the host's memory here (it reads the cgroup hierarchy's
+    root); dask-shm reads the cgroup's limit and budgets tier 2 within it,
+    so that the tmpfs files the workers may keep (charged to the cgroup, not
+    reclaimable without swap) fit in it. A P2P shuffle and rechunk give
+    stock's results by file, with no fallback, no OOM kill either way and
+    no batch file left; a clean stop leaves no file."""
     why = cgroup_unavailable()
     if why:
         pytest.skip(why)
     root = tempfile.mkdtemp(prefix="dask-shm-p2p-job-auto-", dir="/dev/shm")
     scratch = str(tmp_path / "scratch")
     os.mkdir(scratch)
-    env = {**os.environ, **shared_env(root, scratch)}
+    stock_log, our_log = tmp_path / "stock.log", tmp_path / "shared.log"
     try:
-        with memory_cgroup(CGROUP_LIMIT) as cg, scheduler() as (cluster, client):
-            command = dask_worker(
-                cluster.scheduler_address, "--nworkers", "2", "--memory-limit", "auto"
-            )
-            proc = subprocess.Popen(
-                in_job(cg, command),
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=cg.add_self,
-            )
-            try:
-                client.wait_for_workers(2, timeout=120)
+        with memory_cgroup(CGROUP_LIMIT) as cg:
+            with workers_in_cgroup(
+                cg, in_job, stock_env(scratch), "auto", stock_log, preload=False
+            ) as client:
+                stock = p2p_workloads(client, root)
+            stock_kills = cg.oom_kills()
+        with memory_cgroup(CGROUP_LIMIT) as cg:
+            with workers_in_cgroup(
+                cg, in_job, shared_env(root, scratch), "auto", our_log
+            ) as client:
+                ours = p2p_workloads(client, root)
                 limits = client.run(worker_limits)
-            finally:
-                stop([proc])
+            our_kills = cg.oom_kills()
     finally:
+        left = files_left(root, scratch)
         shutil.rmtree(root, ignore_errors=True)
+    assert stock_kills == 0, events(stock_log)
+    assert our_kills == 0, events(our_log)
+    for name in ("shuffle", "rechunk"):
+        assert ours[name]["checksum"] == pytest.approx(stock[name]["checksum"], rel=1e-12)
+        assert ours[name]["counters"]["p2p_file_batches"] > 0, ours[name]
+        assert ours[name]["counters"].get("p2p_file_fallbacks", 0) == 0, ours[name]
+        assert ours[name]["files_left"] == []
     for figures in limits.values():
+        # dask-shm reads the job's cgroup, which distributed's "auto" does
+        # not see (no cgroup namespace) ...
         assert figures["cgroup_limit"] == figures["available"] == CGROUP_LIMIT, limits
+        # ... and budgets tier 2 within it: its tmpfs pages are charged there
+        assert 0 < figures["budget"] <= 0.3 * CGROUP_LIMIT, limits
+        assert figures["budget"] < figures["memory_limit"], limits
     assert sum(f["budget"] for f in limits.values()) <= CGROUP_LIMIT, limits
+    assert left == [], left
 
 
 # --- workers in PID namespaces of their own, one tmpfs -------------------------

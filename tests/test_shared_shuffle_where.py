@@ -1,7 +1,7 @@
-"""P2P shuffles and rechunks in shared-memory mode where Dask really runs:
-inside a memory cgroup (SLURM, Kubernetes), and with workers in separate PID
+"""P2P shuffles in shared-memory mode with workers in separate PID
 namespaces sharing one tmpfs (containers sharing /dev/shm). Real processes,
-real tmpfs; skipped with the reason where the kernel feature is missing."""
+real tmpfs; skipped with the reason where the kernel feature is missing.
+(Inside a memory cgroup: test_shared_shuffle_hosts.py.)"""
 
 from __future__ import annotations
 
@@ -17,17 +17,8 @@ from contextlib import contextmanager
 
 import pytest
 from distributed import Client, LocalCluster
-from memory_cgroup import memory_cgroup
-from memory_cgroup import unavailable_reason as cgroup_unavailable
 from p2p_workload import shuffled_checksum
-from test_shared_shuffle import HERE, expected_checksum, leftovers, run_workload
-
-GiB = 2**30
-
-
-def _netns_unavailable() -> str | None:
-    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"unshare --net failed: {probe.stderr.strip()}"
+from test_shared_shuffle import HERE, expected_checksum, leftovers
 
 
 def _pidns_unavailable() -> str | None:
@@ -37,46 +28,6 @@ def _pidns_unavailable() -> str | None:
         ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True
     )
     return None if probe.returncode == 0 else f"unshare --pid failed: {probe.stderr.strip()}"
-
-
-def run_in_cgroup(mode: str, root: str, limit: int) -> tuple[dict[str, dict], int]:
-    """p2p_workload.py (2 workers, memory limits "auto") inside a fresh memory
-    cgroup of ``limit`` bytes and a network namespace of its own; returns its
-    results by workload and the cgroup's OOM kills."""
-    with memory_cgroup(limit) as cg:
-        results = run_workload(mode, root, {"P2P_MEMORY_LIMIT": "auto"}, cg.add_self)
-        return results, cg.oom_kills()
-
-
-@pytest.mark.timeout(900)
-def test_p2p_inside_a_memory_cgroup_goes_by_file_with_stock_results():
-    """A 2.5 GiB cgroup (SLURM's or Kubernetes' limit), worker memory limits
-    "auto": dask-shm budgets tier 2 within the cgroup (tmpfs pages are
-    charged to it) even where distributed's limit does not see the cgroup,
-    and the shuffle and rechunk give stock's results by file, with no OOM
-    kill and no file left."""
-    why = cgroup_unavailable() or _netns_unavailable()
-    if why:
-        pytest.skip(why)
-    limit = 5 * GiB // 2
-    root = tempfile.mkdtemp(prefix="dask-shm-p2p-cgroup-", dir="/dev/shm")
-    try:
-        stock, stock_kills = run_in_cgroup("stock", root, limit)
-        ours, our_kills = run_in_cgroup("shared", root, limit)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    assert stock_kills == our_kills == 0
-    for name in ("shuffle", "rechunk"):
-        assert ours[name]["checksum"] == pytest.approx(stock[name]["checksum"], rel=1e-12)
-        assert ours[name]["counters"]["p2p_file_batches"] > 0, ours[name]
-        assert ours[name]["counters"].get("p2p_file_fallbacks", 0) == 0, ours[name]
-        assert ours[name]["files_left"] == []
-    for figures in ours["shuffle"]["limits"]:
-        # distributed's "auto" may not see a cgroup without a cgroup namespace
-        # (it reads /sys/fs/cgroup/memory.max); tier 2 is budgeted within the
-        # cgroup all the same: its tmpfs pages are charged there.
-        assert 0 < figures["tier2_budget"] <= 0.3 * limit, figures
-        assert figures["tier2_budget"] < figures["memory_limit"], figures
 
 
 # --- workers in PID namespaces of their own, one tmpfs ----------------------------
