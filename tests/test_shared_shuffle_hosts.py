@@ -10,7 +10,7 @@ environment, dask-shm's preloads) and a scheduler in this process:
   workers run the same shuffle and rechunk in the same cgroup for reference);
 - workers in PID namespaces of their own sharing one tmpfs root
   (containers sharing ``/dev/shm``), one killed with SIGKILL mid-shuffle,
-  then a whole container killed.
+  then whole containers killed.
 
 Real processes, real tmpfs and cgroups; skipped with the reason where the
 kernel feature is missing. The namespaces and the workers' command lines:
@@ -36,6 +36,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from clusters import worker_addresses
 from distributed import Client, LocalCluster, wait
 from memory_cgroup import MemoryCgroup, memory_cgroup
 from memory_cgroup import unavailable_reason as cgroup_unavailable
@@ -158,7 +159,7 @@ def digest(shuffled: dd.DataFrame) -> tuple[int, int, float]:
 def assert_digest(got: tuple[int, int, float], partitions: int, rows: int) -> None:
     n, keys, s = expected_digest(partitions, rows)
     assert got[:2] == (n, keys)
-    assert got[2] == pytest.approx(s, rel=1e-9)
+    assert got[2] == pytest.approx(s, rel=1e-12)
 
 
 def rechunk_input(side: int) -> da.Array:
@@ -446,12 +447,19 @@ def shared_value():  # type: ignore[no-untyped-def]
     return np.arange(2**20, dtype="f8")  # 8 MiB: shared once exported
 
 
-def held_in_file(dask_worker, key) -> str:  # type: ignore[no-untyped-def]
-    """Write ``key``'s value out to its tmpfs file (as a transfer to a
-    same-host peer does) and return the file's path."""
+def exported(dask_worker, key) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    """Write ``key``'s value out to its tmpfs file and link it for a peer
+    (as a transfer to a same-host peer does); the file's and the link's
+    paths."""
     handle = dask_worker.data.export(key)
-    os.unlink(handle.path)  # the link a peer would have taken
-    return dask_worker.data.store.path(key)
+    return dask_worker.data.store.path(key), handle.path
+
+
+def held_in_file(dask_worker, key) -> str:  # type: ignore[no-untyped-def]
+    """:func:`exported`, the link then taken by the peer: the file's path."""
+    path, link = exported(dask_worker, key)
+    os.unlink(link)
+    return path
 
 
 def slow_part(i: int, rows: int) -> pd.DataFrame:
@@ -464,16 +472,19 @@ def by_name(client: Client) -> dict[str, dict]:
 
 
 def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
-    """Workers ns0 and ns1 (nanny + worker each) in PID namespaces of their
-    own on one tmpfs root: they see the same root token and shuffle by file
-    both ways with the known result. ns0's worker is killed with SIGKILL
-    mid-shuffle: its nanny starts a new one, whose sweep removes the dead
-    worker's directory but not ns1's live one (nor ns1's value in a tmpfs
-    file), and the shuffle gives the known result. ``dask shm clean`` run
-    in ns1's namespace then removes nothing of ns0's new worker, whose pid
-    means nothing there. The two shuffle by file again. Then ns0's whole
-    container is killed, and ``dask shm clean`` in ns1's namespace removes
-    its directories and nothing of ns1's. Stopping ns1 leaves no file."""
+    """Workers ns0, ns1 and ns2 (nanny + worker each) in PID namespaces of
+    their own on one tmpfs root: they see the same root token. ns2's whole
+    container is killed holding a value in a tmpfs file and a link of it for
+    a peer: its directories stay. ns0 and ns1 shuffle by file both ways with
+    the known result. ns0's worker is killed with SIGKILL mid-shuffle: its
+    nanny starts a new one, whose sweep removes the dead worker's directory
+    and the dead container's (ns2's, another PID namespace) but not ns1's
+    live one (nor ns1's value in a tmpfs file), and the shuffle gives the
+    known result. ``dask shm clean`` run in ns1's namespace then removes
+    nothing of ns0's new worker, whose pid means nothing there. The two
+    shuffle by file again. Then ns0's whole container is killed, and ``dask
+    shm clean`` in ns1's namespace removes its directories and nothing of
+    ns1's. Stopping ns1 leaves no file."""
     why = unshare_unavailable("--pid", "--fork", "--mount-proc")
     if why:
         pytest.skip(why)
@@ -485,11 +496,12 @@ def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
     env = {**os.environ, **shared_env(root, scratch)}
     user = os.path.join(root, f"dask-shm-{os.geteuid()}")
     rows = 60_000  # 32 x 60k rows x 32 bytes: 59 MiB
+    names = ("ns0", "ns1", "ns2")
     procs: list[subprocess.Popen] = []
     try:
         with scheduler() as (cluster, client):
             try:
-                for name in ("ns0", "ns1"):
+                for name in names:
                     command = dask_worker(
                         cluster.scheduler_address, "--memory-limit", "2 GiB", "--name", name
                     )
@@ -502,15 +514,31 @@ def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
                             start_new_session=True,
                         )
                     )
-                client.wait_for_workers(2, timeout=120)
+                client.wait_for_workers(len(names), timeout=120)
                 first = by_name(client)
-                ns0, ns1 = first["ns0"], first["ns1"]
-                # two PID namespaces (not ours), one root
-                spaces = {ns0["pid_namespace"], ns1["pid_namespace"]}
-                assert len(spaces) == 2 and os.readlink("/proc/self/ns/pid") not in spaces
+                ns0, ns1, ns2 = (first[name] for name in names)
+                # three PID namespaces (not ours), one root
+                spaces = {w["pid_namespace"] for w in first.values()}
+                assert len(spaces) == 3 and os.readlink("/proc/self/ns/pid") not in spaces
                 with open(os.path.join(user, "root-id")) as f:
-                    assert ns0["token"] == ns1["token"] == f.read().strip()
-                assert ns0["process_dir"] != ns1["process_dir"]
+                    assert ns0["token"] == ns1["token"] == ns2["token"] == f.read().strip()
+                assert len({w["process_dir"] for w in first.values()}) == 3
+
+                # ns2's container dies (SIGKILL to its PID 1) holding a value
+                # in a tmpfs file, linked for a peer that has not taken it:
+                # its directories stay until a process starting on the root
+                # sweeps them
+                lost = client.submit(shared_value, workers=[ns2["address"]], pure=False)
+                assert client.submit(_total, lost, workers=[ns2["address"]]).result() == (
+                    float(shared_value().sum())
+                )
+                exports = client.run(exported, workers=[ns2["address"]], key=lost.key)
+                lost_files = list(exports[ns2["address"]])
+                kill_container(procs[2])
+                del lost
+                wait_for_worker_count(client, 2)
+                for path in [ns2["process_dir"], ns2["disk_process_dir"], *lost_files]:
+                    assert os.path.exists(path), path
 
                 # a shuffle by file, both ways
                 assert_digest(digest(shuffled(rows)), PARTITIONS, rows)
@@ -544,9 +572,13 @@ def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
                 new0 = second["ns0"]
                 assert new0["pid_namespace"] == ns0["pid_namespace"]
                 assert new0["process_dir"] != ns0["process_dir"]
-                # the new worker's sweep took the dead one's directories ...
+                # the new worker's sweep took the dead one's directories, and
+                # the dead container's (another PID namespace) ...
                 wait_for_gone(ns0["process_dir"])
                 wait_for_gone(ns0["disk_process_dir"])
+                wait_for_gone(ns2["process_dir"])
+                wait_for_gone(ns2["disk_process_dir"])
+                assert not any(os.path.exists(path) for path in lost_files), lost_files
                 # ... and left ns1's: the same directory, its file, its value
                 assert os.stat(ns1["process_dir"]).st_ino == ns1_inode
                 assert os.stat(kept_file).st_ino == kept_inode
@@ -618,6 +650,14 @@ def clean_in_namespace_of(
 
 def _total(x) -> float:  # type: ignore[no-untyped-def]
     return float(x.sum())
+
+
+def wait_for_worker_count(client: Client, n: int, timeout: float = 60) -> None:
+    """Until the scheduler has exactly ``n`` workers (a dead one removed)."""
+    deadline = time.monotonic() + timeout
+    while len(workers := worker_addresses(client)) != n:
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.1)
 
 
 def wait_for_gone(path: str, timeout: float = 30) -> None:
