@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any
 
 import dask
 import dask.array as da
@@ -25,6 +24,7 @@ import pytest
 from clusters import process_cluster, worker_addresses
 from distributed import Client, futures_of, wait
 from hosts import two_hosts
+from namespaces import unavailable_reason as unshare_unavailable
 from p2p_workload import (
     ARRAY_SIDE,
     PARTITIONS,
@@ -38,20 +38,10 @@ from tmpfs import small_tmpfs
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _own_network_unavailable() -> str | None:
-    probe = subprocess.run(
-        ["unshare", "--net", "true"], capture_output=True, text=True, check=False
-    )
-    return None if probe.returncode == 0 else f"unshare --net failed: {probe.stderr.strip()}"
-
-
-def run_workload(
-    mode: str, root: str, env: dict[str, str] | None = None, preexec_fn: Any = None
-) -> dict[str, dict]:
-    """p2p_workload.py in a network namespace of its own (its ``lo`` counts
-    only this cluster's traffic), with ``env`` added to ours, ``preexec_fn``
-    run in the child before it starts (e.g. to join a cgroup)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
+def run_workload(mode: str, root: str) -> dict[str, dict]:
+    """p2p_workload.py in a network namespace of its own: its ``lo`` counts
+    only this cluster's traffic."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(
         [
             "unshare",
@@ -67,7 +57,6 @@ def run_workload(
         text=True,
         timeout=600,
         check=False,
-        preexec_fn=preexec_fn,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -75,7 +64,7 @@ def run_workload(
 
 
 def test_shuffle_and_rechunk_go_by_file_with_stock_results():
-    reason = _own_network_unavailable()
+    reason = unshare_unavailable("--net")
     if reason:
         pytest.skip(reason)
     with small_tmpfs("1g") as root:

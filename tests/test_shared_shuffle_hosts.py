@@ -5,13 +5,16 @@ environment, dask-shm's preloads) and a scheduler in this process:
 - workers inside a memory cgroup with a limit near the data: a container's
   (Kubernetes, Docker: a cgroup namespace whose ``/sys/fs/cgroup/memory`` is
   the container's cgroup, ``--memory-limit auto``) or a batch job's (SLURM:
-  no cgroup namespace, the job's memory split among the workers by hand);
+  no cgroup namespace, the job's memory split among the workers by hand, or
+  ``--memory-limit auto``, which does not see the job's cgroup: there stock
+  workers run the same shuffle and rechunk in the same cgroup for reference);
 - workers in PID namespaces of their own sharing one tmpfs root
   (containers sharing ``/dev/shm``), one killed with SIGKILL mid-shuffle,
-  then a whole container killed.
+  then whole containers killed.
 
 Real processes, real tmpfs and cgroups; skipped with the reason where the
-kernel feature is missing.
+kernel feature is missing. The namespaces and the workers' command lines:
+``namespaces.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import dask
 import dask.array as da
@@ -32,29 +36,30 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from clusters import worker_addresses
 from distributed import Client, LocalCluster, wait
 from memory_cgroup import MemoryCgroup, memory_cgroup
 from memory_cgroup import unavailable_reason as cgroup_unavailable
+from namespaces import (
+    dask_worker,
+    host_pid,
+    in_container,
+    in_namespaces_of,
+    in_own_pid_namespace,
+    kill_container,
+    stop,
+)
+from namespaces import unavailable_reason as unshare_unavailable
+from p2p_workload import p2p_counters, rechunked_checksum, shard_files, shuffled_checksum
 from test_shared_shuffle import HERE, leftovers
 
 GiB = 2**30
 MiB = 2**20
 
 
-def _unshare_unavailable(*flags: str) -> str | None:
-    if shutil.which("unshare") is None:
-        return "no unshare command"
-    probe = subprocess.run(["unshare", *flags, "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"unshare {' '.join(flags)} failed: {probe.stderr.strip()}"
-    return None
-
-
-def shared_env(root: str, temporary_directory: str) -> dict[str, str]:
-    """Shared-memory mode by environment, as a job script or pod spec sets it."""
+def stock_env(temporary_directory: str) -> dict[str, str]:
+    """Stock ``dask worker``'s environment here (dask-shm only if preloaded)."""
     return {
-        "DASK_SHM__SHARED_MEMORY__ENABLED": "True",
-        "DASK_SHM__SHARED_MEMORY__ROOT": root,
         "DASK_TEMPORARY_DIRECTORY": temporary_directory,
         "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
         # the workers unpickle this module's functions
@@ -62,23 +67,13 @@ def shared_env(root: str, temporary_directory: str) -> dict[str, str]:
     }
 
 
-def dask_worker(address: str, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "distributed.cli.dask_worker",
-        address,
-        "--host",
-        "127.0.0.1",
-        "--nthreads",
-        "1",
-        "--preload",
-        "dask_shm",
-        "--preload-nanny",
-        "dask_shm",
-        "--no-dashboard",
-        *args,
-    ]
+def shared_env(root: str, temporary_directory: str) -> dict[str, str]:
+    """Shared-memory mode by environment, as a job script or pod spec sets it."""
+    return {
+        **stock_env(temporary_directory),
+        "DASK_SHM__SHARED_MEMORY__ENABLED": "True",
+        "DASK_SHM__SHARED_MEMORY__ROOT": root,
+    }
 
 
 @contextmanager
@@ -91,33 +86,6 @@ def scheduler() -> Iterator[tuple[LocalCluster, Client]]:
         Client(cluster) as client,
     ):
         yield cluster, client
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to each ``dask worker`` (a clean close, as a container stop
-    sends it to the container's PID 1), SIGKILL to its session after 60 s.
-    ``unshare --fork`` does not pass signals on: its child gets them."""
-    for p in procs:
-        if p.poll() is None:
-            fork = "--fork" in p.args
-            for pid in psutil_children(p.pid) if fork else [p.pid]:
-                os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-def psutil_children(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [c.pid for c in psutil.Process(pid).children()]
-    except psutil.NoSuchProcess:
-        return []
 
 
 def files_left(root: str, scratch: str) -> list[str]:
@@ -191,7 +159,7 @@ def digest(shuffled: dd.DataFrame) -> tuple[int, int, float]:
 def assert_digest(got: tuple[int, int, float], partitions: int, rows: int) -> None:
     n, keys, s = expected_digest(partitions, rows)
     assert got[:2] == (n, keys)
-    assert got[2] == pytest.approx(s, rel=1e-9)
+    assert got[2] == pytest.approx(s, rel=1e-12)
 
 
 def rechunk_input(side: int) -> da.Array:
@@ -205,30 +173,7 @@ def rechunked_sum(x: da.Array) -> float:
     return float((y * np.arange(x.shape[1], dtype=float)).sum().compute())
 
 
-# --- inside a container's memory cgroup ----------------------------------------
-
-
-def in_container(cg: MemoryCgroup, command: list[str]) -> list[str]:
-    """``command`` as a container runtime starts it: in a cgroup namespace
-    of its own whose memory hierarchy (``/sys/fs/cgroup/memory``, v2:
-    ``/sys/fs/cgroup``) is the container's cgroup, where ``distributed``'s
-    ``memory_limit="auto"`` reads the limit; the process itself must be put
-    in ``cg`` (``preexec_fn=cg.add_self``)."""
-    target = "/sys/fs/cgroup/memory" if cg.version == "v1" else "/sys/fs/cgroup"
-    return [
-        "unshare",
-        "--cgroup",
-        "--mount",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        'mount --bind "$1" "$2" && shift 2 && exec "$@"',
-        "sh",
-        cg.path,
-        target,
-        *command,
-    ]
+# --- inside a memory cgroup: a container's or a batch job's ---------------------
 
 
 def worker_limits(dask_worker) -> dict:  # type: ignore[no-untyped-def]
@@ -280,6 +225,55 @@ CGROUP_STYLES = {
 }
 
 
+@contextmanager
+def workers_in_cgroup(
+    cg: MemoryCgroup,
+    start: Callable[[MemoryCgroup, list[str]], list[str]],
+    env: dict[str, str],
+    memory_limit: str,
+    log: Path,
+    preload: bool = True,
+) -> Iterator[Client]:
+    """A scheduler here and ``dask worker --nworkers 2 --memory-limit
+    memory_limit`` (with dask-shm's preloads unless ``preload`` is False)
+    in ``cg``, started as ``start`` (:func:`in_container`, :func:`in_job`)
+    says, under ``env`` added to ours, its output in ``log``; yields a client
+    once both workers are there. The workers are stopped (cleanly) before
+    the scheduler closes."""
+    with scheduler() as (cluster, client), open(log, "w") as out:
+        command = dask_worker(
+            cluster.scheduler_address,
+            "--nworkers",
+            "2",
+            "--memory-limit",
+            memory_limit,
+            preload=preload,
+        )
+        proc = subprocess.Popen(
+            start(cg, command),
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=cg.add_self,
+        )
+        try:
+            client.wait_for_workers(2, timeout=120)
+            yield client
+        finally:
+            stop([proc])
+
+
+def events(log: Path) -> str:
+    """What the workers said in ``log`` of warnings, errors, restarts and
+    memory limits exceeded."""
+    return "\n".join(
+        line
+        for line in log.read_text().splitlines()
+        if "WARNING" in line or "ERROR" in line or "Restarting" in line or "exceeded" in line
+    )
+
+
 @pytest.mark.parametrize("style", CGROUP_STYLES)
 def test_p2p_inside_a_memory_cgroup(tmp_path, style):
     """Two workers (``dask worker --nworkers 2``) in a 1.5 GiB memory cgroup
@@ -291,61 +285,41 @@ def test_p2p_inside_a_memory_cgroup(tmp_path, style):
     disk), and a clean stop leaves no file on either tier."""
     start, memory_limit = CGROUP_STYLES[style]
     why = cgroup_unavailable() or (
-        _unshare_unavailable("--cgroup", "--mount") if style == "container" else None
+        unshare_unavailable("--cgroup", "--mount") if style == "container" else None
     )
     if why:
         pytest.skip(why)
     root = tempfile.mkdtemp(prefix=f"dask-shm-p2p-{style}-", dir="/dev/shm")
     scratch = str(tmp_path / "scratch")
     os.mkdir(scratch)
-    env = {**os.environ, **shared_env(root, scratch)}
+    log = tmp_path / "workers.log"
     x = rechunk_input(4096)
     try:
         with memory_cgroup(CGROUP_LIMIT) as cg:
-            with scheduler() as (cluster, client):
-                command = dask_worker(
-                    cluster.scheduler_address, "--nworkers", "2", "--memory-limit", memory_limit
-                )
-                log = open(tmp_path / "workers.log", "w")  # noqa: SIM115
-                proc = subprocess.Popen(
-                    start(cg, command),
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=cg.add_self,
-                )
-                try:
-                    client.wait_for_workers(2, timeout=120)
-                    pids = client.run(os.getpid)
-                    limits = client.run(worker_limits)
-                    out = client.persist(
-                        dd.from_map(frame_part, range(PARTITIONS), rows=ROWS).shuffle(
-                            "k", shuffle_method="p2p"
-                        )
+            with workers_in_cgroup(
+                cg, start, shared_env(root, scratch), memory_limit, log
+            ) as client:
+                pids = client.run(os.getpid)
+                limits = client.run(worker_limits)
+                out = client.persist(
+                    dd.from_map(frame_part, range(PARTITIONS), rows=ROWS).shuffle(
+                        "k", shuffle_method="p2p"
                     )
-                    wait(out)
-                    held = client.run(where_held)
-                    got = digest(out)
-                    del out
-                    after_shuffle = counters(client)
-                    rechunked = rechunked_sum(x)
-                    after_rechunk = counters(client)
-                    restarted = client.run(os.getpid) != pids
-                finally:
-                    stop([proc])
-                    log.close()
+                )
+                wait(out)
+                held = client.run(where_held)
+                got = digest(out)
+                del out
+                after_shuffle = counters(client)
+                rechunked = rechunked_sum(x)
+                after_rechunk = counters(client)
+                restarted = client.run(os.getpid) != pids
             oom_kills = cg.oom_kills()
     finally:
         left = files_left(root, scratch)
         shutil.rmtree(root, ignore_errors=True)
-    events = "\n".join(
-        line
-        for line in (tmp_path / "workers.log").read_text().splitlines()
-        if "WARNING" in line or "ERROR" in line or "Restarting" in line or "exceeded" in line
-    )
-    assert oom_kills == 0, events
-    assert not restarted, events
+    assert oom_kills == 0, events(log)
+    assert not restarted, events(log)
     for figures in limits.values():
         # dask-shm reads the cgroup (and in a container, so does distributed)
         assert figures["cgroup_limit"] == CGROUP_LIMIT, limits
@@ -379,68 +353,78 @@ def test_p2p_inside_a_memory_cgroup(tmp_path, style):
     assert left == [], left
 
 
-def test_tier2_budgets_fit_a_job_cgroup_with_memory_limit_auto(tmp_path):
+def p2p_workloads(client: Client, root: str) -> dict[str, dict]:
+    """p2p_workload's shuffle and rechunk (48 MiB, 128 MiB) on ``client``'s
+    workers, stock or shared: by workload, its checksum, the P2P counters it
+    moved (summed over the workers) and the batch files under ``root`` right
+    after it."""
+    results = {}
+    for name, workload in (("shuffle", shuffled_checksum), ("rechunk", rechunked_checksum)):
+        before = client.run(p2p_counters)
+        checksum = workload(client)
+        after = client.run(p2p_counters)
+        moved: dict[str, float] = {}
+        for address, figures in after.items():
+            for k, v in figures.items():
+                moved[k] = moved.get(k, 0) + v - before.get(address, {}).get(k, 0)
+        results[name] = {"checksum": checksum, "counters": moved, "files_left": shard_files(root)}
+    return results
+
+
+@pytest.mark.timeout(900)
+def test_p2p_inside_a_job_cgroup_with_memory_limit_auto(tmp_path):
     """``dask worker --nworkers 2 --memory-limit auto`` in a batch job's
-    1.5 GiB cgroup (``srun dask worker ...``): dask-shm reads the cgroup's
-    limit, and the tmpfs files the workers may keep (charged to the cgroup,
-    not reclaimable without swap) fit in it, although distributed's "auto"
-    gives each worker half the host's memory here (it reads the cgroup
-    hierarchy's root): the tier-2 budget is capped by the cgroup's limit."""
+    1.5 GiB cgroup (``srun dask worker ...``), stock, then in shared-memory
+    mode in a cgroup of the same limit. distributed's "auto" gives each
+    worker half the host's memory here (it reads the cgroup hierarchy's
+    root); dask-shm reads the cgroup's limit and budgets tier 2 within it,
+    so that the tmpfs files the workers may keep (charged to the cgroup, not
+    reclaimable without swap) fit in it. A P2P shuffle and rechunk give
+    stock's results by file, with no fallback, no OOM kill either way and
+    no batch file left; a clean stop leaves no file."""
     why = cgroup_unavailable()
     if why:
         pytest.skip(why)
     root = tempfile.mkdtemp(prefix="dask-shm-p2p-job-auto-", dir="/dev/shm")
     scratch = str(tmp_path / "scratch")
     os.mkdir(scratch)
-    env = {**os.environ, **shared_env(root, scratch)}
+    stock_log, our_log = tmp_path / "stock.log", tmp_path / "shared.log"
     try:
-        with memory_cgroup(CGROUP_LIMIT) as cg, scheduler() as (cluster, client):
-            command = dask_worker(
-                cluster.scheduler_address, "--nworkers", "2", "--memory-limit", "auto"
-            )
-            proc = subprocess.Popen(
-                in_job(cg, command),
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=cg.add_self,
-            )
-            try:
-                client.wait_for_workers(2, timeout=120)
+        with memory_cgroup(CGROUP_LIMIT) as cg:
+            with workers_in_cgroup(
+                cg, in_job, stock_env(scratch), "auto", stock_log, preload=False
+            ) as client:
+                stock = p2p_workloads(client, root)
+            stock_kills = cg.oom_kills()
+        with memory_cgroup(CGROUP_LIMIT) as cg:
+            with workers_in_cgroup(
+                cg, in_job, shared_env(root, scratch), "auto", our_log
+            ) as client:
+                ours = p2p_workloads(client, root)
                 limits = client.run(worker_limits)
-            finally:
-                stop([proc])
+            our_kills = cg.oom_kills()
     finally:
+        left = files_left(root, scratch)
         shutil.rmtree(root, ignore_errors=True)
+    assert stock_kills == 0, events(stock_log)
+    assert our_kills == 0, events(our_log)
+    for name in ("shuffle", "rechunk"):
+        assert ours[name]["checksum"] == pytest.approx(stock[name]["checksum"], rel=1e-12)
+        assert ours[name]["counters"]["p2p_file_batches"] > 0, ours[name]
+        assert ours[name]["counters"].get("p2p_file_fallbacks", 0) == 0, ours[name]
+        assert ours[name]["files_left"] == []
     for figures in limits.values():
+        # dask-shm reads the job's cgroup, which distributed's "auto" does
+        # not see (no cgroup namespace) ...
         assert figures["cgroup_limit"] == figures["available"] == CGROUP_LIMIT, limits
+        # ... and budgets tier 2 within it: its tmpfs pages are charged there
+        assert 0 < figures["budget"] <= 0.3 * CGROUP_LIMIT, limits
+        assert figures["budget"] < figures["memory_limit"], limits
     assert sum(f["budget"] for f in limits.values()) <= CGROUP_LIMIT, limits
+    assert left == [], left
 
 
 # --- workers in PID namespaces of their own, one tmpfs -------------------------
-
-
-def in_own_pid_namespace(command: list[str]) -> list[str]:
-    """``command`` as PID 1 of a new PID namespace with its own ``/proc``
-    (a container sharing ``/dev/shm`` with the others)."""
-    return ["unshare", "--pid", "--fork", "--mount-proc", *command]
-
-
-def host_pid(ancestor: int, pid_in_namespace: int) -> int:
-    """The pid, in this namespace, of the descendant of ``ancestor`` whose
-    pid in its own namespace is ``pid_in_namespace``."""
-    import psutil
-
-    for child in psutil.Process(ancestor).children(recursive=True):
-        try:
-            with open(f"/proc/{child.pid}/status") as f:
-                nspid = next(line for line in f if line.startswith("NSpid:")).split()[1:]
-        except (OSError, StopIteration):
-            continue
-        if len(nspid) > 1 and int(nspid[-1]) == pid_in_namespace:
-            return child.pid
-    raise LookupError(f"no process {pid_in_namespace} below {ancestor}")
 
 
 def facts(dask_worker) -> dict:  # type: ignore[no-untyped-def]
@@ -463,12 +447,19 @@ def shared_value():  # type: ignore[no-untyped-def]
     return np.arange(2**20, dtype="f8")  # 8 MiB: shared once exported
 
 
-def held_in_file(dask_worker, key) -> str:  # type: ignore[no-untyped-def]
-    """Write ``key``'s value out to its tmpfs file (as a transfer to a
-    same-host peer does) and return the file's path."""
+def exported(dask_worker, key) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    """Write ``key``'s value out to its tmpfs file and link it for a peer
+    (as a transfer to a same-host peer does); the file's and the link's
+    paths."""
     handle = dask_worker.data.export(key)
-    os.unlink(handle.path)  # the link a peer would have taken
-    return dask_worker.data.store.path(key)
+    return dask_worker.data.store.path(key), handle.path
+
+
+def held_in_file(dask_worker, key) -> str:  # type: ignore[no-untyped-def]
+    """:func:`exported`, the link then taken by the peer: the file's path."""
+    path, link = exported(dask_worker, key)
+    os.unlink(link)
+    return path
 
 
 def slow_part(i: int, rows: int) -> pd.DataFrame:
@@ -481,17 +472,20 @@ def by_name(client: Client) -> dict[str, dict]:
 
 
 def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
-    """Workers ns0 and ns1 (nanny + worker each) in PID namespaces of their
-    own on one tmpfs root: they see the same root token and shuffle by file
-    both ways with the known result. ns0's worker is killed with SIGKILL
-    mid-shuffle: its nanny starts a new one, whose sweep removes the dead
-    worker's directory but not ns1's live one (nor ns1's value in a tmpfs
-    file), and the shuffle gives the known result. ``dask shm clean`` run
-    in ns1's namespace then removes nothing of ns0's new worker, whose pid
-    means nothing there. The two shuffle by file again. Then ns0's whole
-    container is killed, and ``dask shm clean`` in ns1's namespace removes
-    its directories and nothing of ns1's. Stopping ns1 leaves no file."""
-    why = _unshare_unavailable("--pid", "--fork", "--mount-proc")
+    """Workers ns0, ns1 and ns2 (nanny + worker each) in PID namespaces of
+    their own on one tmpfs root: they see the same root token. ns2's whole
+    container is killed holding a value in a tmpfs file and a link of it for
+    a peer: its directories stay. ns0 and ns1 shuffle by file both ways with
+    the known result. ns0's worker is killed with SIGKILL mid-shuffle: its
+    nanny starts a new one, whose sweep removes the dead worker's directory
+    and the dead container's (ns2's, another PID namespace) but not ns1's
+    live one (nor ns1's value in a tmpfs file), and the shuffle gives the
+    known result. ``dask shm clean`` run in ns1's namespace then removes
+    nothing of ns0's new worker, whose pid means nothing there. The two
+    shuffle by file again. Then ns0's whole container is killed, and ``dask
+    shm clean`` in ns1's namespace removes its directories and nothing of
+    ns1's. Stopping ns1 leaves no file."""
+    why = unshare_unavailable("--pid", "--fork", "--mount-proc")
     if why:
         pytest.skip(why)
     if shutil.which("nsenter") is None:
@@ -502,11 +496,12 @@ def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
     env = {**os.environ, **shared_env(root, scratch)}
     user = os.path.join(root, f"dask-shm-{os.geteuid()}")
     rows = 60_000  # 32 x 60k rows x 32 bytes: 59 MiB
+    names = ("ns0", "ns1", "ns2")
     procs: list[subprocess.Popen] = []
     try:
         with scheduler() as (cluster, client):
             try:
-                for name in ("ns0", "ns1"):
+                for name in names:
                     command = dask_worker(
                         cluster.scheduler_address, "--memory-limit", "2 GiB", "--name", name
                     )
@@ -519,15 +514,31 @@ def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
                             start_new_session=True,
                         )
                     )
-                client.wait_for_workers(2, timeout=120)
+                client.wait_for_workers(len(names), timeout=120)
                 first = by_name(client)
-                ns0, ns1 = first["ns0"], first["ns1"]
-                # two PID namespaces (not ours), one root
-                spaces = {ns0["pid_namespace"], ns1["pid_namespace"]}
-                assert len(spaces) == 2 and os.readlink("/proc/self/ns/pid") not in spaces
+                ns0, ns1, ns2 = (first[name] for name in names)
+                # three PID namespaces (not ours), one root
+                spaces = {w["pid_namespace"] for w in first.values()}
+                assert len(spaces) == 3 and os.readlink("/proc/self/ns/pid") not in spaces
                 with open(os.path.join(user, "root-id")) as f:
-                    assert ns0["token"] == ns1["token"] == f.read().strip()
-                assert ns0["process_dir"] != ns1["process_dir"]
+                    assert ns0["token"] == ns1["token"] == ns2["token"] == f.read().strip()
+                assert len({w["process_dir"] for w in first.values()}) == 3
+
+                # ns2's container dies (SIGKILL to its PID 1) holding a value
+                # in a tmpfs file, linked for a peer that has not taken it:
+                # its directories stay until a process starting on the root
+                # sweeps them
+                lost = client.submit(shared_value, workers=[ns2["address"]], pure=False)
+                assert client.submit(_total, lost, workers=[ns2["address"]]).result() == (
+                    float(shared_value().sum())
+                )
+                exports = client.run(exported, workers=[ns2["address"]], key=lost.key)
+                lost_files = list(exports[ns2["address"]])
+                kill_container(procs[2])
+                del lost
+                wait_for_worker_count(client, 2)
+                for path in [ns2["process_dir"], ns2["disk_process_dir"], *lost_files]:
+                    assert os.path.exists(path), path
 
                 # a shuffle by file, both ways
                 assert_digest(digest(shuffled(rows)), PARTITIONS, rows)
@@ -561,9 +572,13 @@ def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
                 new0 = second["ns0"]
                 assert new0["pid_namespace"] == ns0["pid_namespace"]
                 assert new0["process_dir"] != ns0["process_dir"]
-                # the new worker's sweep took the dead one's directories ...
+                # the new worker's sweep took the dead one's directories, and
+                # the dead container's (another PID namespace) ...
                 wait_for_gone(ns0["process_dir"])
                 wait_for_gone(ns0["disk_process_dir"])
+                wait_for_gone(ns2["process_dir"])
+                wait_for_gone(ns2["disk_process_dir"])
+                assert not any(os.path.exists(path) for path in lost_files), lost_files
                 # ... and left ns1's: the same directory, its file, its value
                 assert os.stat(ns1["process_dir"]).st_ino == ns1_inode
                 assert os.stat(kept_file).st_ino == kept_inode
@@ -590,12 +605,7 @@ def test_p2p_between_pid_namespaces_sharing_a_tmpfs(tmp_path):
                 # ns0's container dies (SIGKILL to its PID 1 kills all in it):
                 # `dask shm clean` in ns1's namespace removes its directories
                 # on both roots and nothing of ns1's
-                init0 = psutil_children(procs[0].pid)[0]
-                semaphores = named_semaphores(init0)
-                assert semaphores, "no semaphores found: maps not readable?"
-                os.kill(init0, signal.SIGKILL)
-                procs[0].wait(30)
-                remove(semaphores)
+                kill_container(procs[0])
                 removed = clean_in_namespace_of(procs[1], root, scratch, env)
                 assert removed == sorted([new0["process_dir"], new0["disk_process_dir"]])
                 assert not os.path.exists(new0["process_dir"])
@@ -622,11 +632,11 @@ def clean_in_namespace_of(
     """``dask shm clean`` on the tmpfs root and the disk root, run in the PID
     and mount namespaces of ``proc``'s ``unshare --fork`` child (as in that
     container); the directories it says it removed."""
-    init = psutil_children(proc.pid)[0]
     disk_root = os.path.join(scratch, "dask-scratch-space")
     done = subprocess.run(
-        ["nsenter", "--target", str(init), "--pid", "--mount"]
-        + [sys.executable, "-m", "dask_shm", "clean", "--root", root, "--root", disk_root],
+        in_namespaces_of(
+            proc, [sys.executable, "-m", "dask_shm", "clean", "--root", root, "--root", disk_root]
+        ),
         env=env,
         capture_output=True,
         text=True,
@@ -638,38 +648,16 @@ def clean_in_namespace_of(
     )
 
 
-def named_semaphores(pid: int) -> list[str]:
-    """The multiprocessing semaphores (``/dev/shm/sem.mp-*``, stock's) that
-    process ``pid`` and its descendants map under their names."""
-    import psutil
-
-    found = set()
-    for p in [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]:
-        try:
-            with open(f"/proc/{p}/maps") as f:
-                found |= {
-                    line.split()[-1]
-                    for line in f
-                    if "/dev/shm/sem.mp-" in line and not line.rstrip().endswith("(deleted)")
-                }
-        except OSError:
-            continue
-    return sorted(found)
-
-
-def remove(paths: list[str]) -> None:
-    """Unlink ``paths``: a killed container's named semaphores, which its
-    multiprocessing resource tracker, killed with it, cannot remove (stock
-    distributed's, not dask-shm's files: left to the test to clean)."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
 def _total(x) -> float:  # type: ignore[no-untyped-def]
     return float(x.sum())
+
+
+def wait_for_worker_count(client: Client, n: int, timeout: float = 60) -> None:
+    """Until the scheduler has exactly ``n`` workers (a dead one removed)."""
+    deadline = time.monotonic() + timeout
+    while len(workers := worker_addresses(client)) != n:
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.1)
 
 
 def wait_for_gone(path: str, timeout: float = 30) -> None:
