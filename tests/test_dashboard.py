@@ -29,6 +29,13 @@ CONFIG = {
     "distributed.worker.preload": ["dask_shm"],
     "shm.shared-memory.enabled": True,
     "shm.shared-memory.max-bytes": "40 MiB",  # small: the spills reach tier 3
+    # Spills by the buffer's target (0.3 x 1 GiB), while the process stays
+    # below the spill threshold: above it tier 2 would give way to disk
+    # (shared/relief.py) and not show in the figures.
+    "distributed.worker.memory.target": 0.3,
+    "distributed.worker.memory.spill": 0.9,
+    "distributed.worker.memory.pause": 0.95,
+    "distributed.worker.memory.terminate": 0.98,
 }
 
 #: Sample fields that worker ``a`` (the one holding the arrays) has non-zero
@@ -60,9 +67,9 @@ def cluster() -> Any:
     """(client, a, b, dashboard URL) after a workload that fills a's three
     tiers, hands values to b by hard link and sends small ones from b to a
     as bytes."""
-    with process_cluster(2, "400 MiB", CONFIG, silence_logs=logging.ERROR) as client:
+    with process_cluster(2, "1 GiB", CONFIG, silence_logs=logging.ERROR) as client:
         a, b = worker_addresses(client)
-        arrays = [client.submit(np.full, MiB, i, key=f"dash-x{i}", workers=[a]) for i in range(40)]
+        arrays = [client.submit(np.full, MiB, i, key=f"dash-x{i}", workers=[a]) for i in range(60)]
         total = client.submit(lambda *v: float(sum(x.sum() for x in v)), *arrays[:8], workers=[b])
         assert total.result() == MiB * sum(range(8))
         small = client.submit(lambda: list(range(50_000)), key="dash-small", workers=[b])

