@@ -227,12 +227,14 @@ class SpillStore(MutableMapping[Key, object]):
         self._record(label, value, unit)
         context_meter.digest_metric(label, value, unit)
 
-    def _digest_write(self, seconds: float, nbytes: int) -> None:
-        """The metrics of one file written: stock's ``disk-write`` seconds,
-        count and bytes."""
+    def _digest_write(self, seconds: float, nbytes: int | None) -> None:
+        """The metrics of one file write: stock's ``disk-write`` seconds, and
+        its count and bytes unless nothing was written (``nbytes`` None:
+        the write failed, timed all the same as by stock's meter)."""
         self._digest("disk-write", seconds, "seconds")
-        self._digest("disk-write", 1, "count")
-        self._digest("disk-write", nbytes, "bytes")
+        if nbytes is not None:
+            self._digest("disk-write", 1, "count")
+            self._digest("disk-write", nbytes, "bytes")
 
     def _serialize(self, key: Key, value: object) -> list:
         """``[msgpack header, *payload frames]`` for ``value``; raises PickleError."""
@@ -253,18 +255,14 @@ class SpillStore(MutableMapping[Key, object]):
         Raises MaxSpillExceeded or OSError."""
         max_disk = None if self.max_weight is False else self.max_weight
         start = perf_counter()
+        stored = None
         try:
             stored = self.files.put(file_stem(key), frames, memory, max_disk)
-        except BaseException:
-            # Timed even when it fails (as by stock's context_meter.meter), not counted.
-            self._digest("disk-write", perf_counter() - start, "seconds")
-            raise
+        finally:
+            self._digest_write(perf_counter() - start, None if stored is None else stored[1])
         if stored is None:
-            self._digest("disk-write", perf_counter() - start, "seconds")
             raise MaxSpillExceeded(key)
-        name, disk = stored
-        self._digest_write(perf_counter() - start, disk)
-        return name
+        return stored[0]
 
     def __setitem__(self, key: Key, value: object) -> None:
         frames = self._serialize(key, value)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distributed.core import Status
@@ -48,9 +49,22 @@ def private_process_memory() -> int:
     return process_memory().private
 
 
-#: a worker in one of these states publishes nothing more (its publisher
-#: ends even when no plugin teardown uninstalls it)
+#: a worker in one of these states needs its threads no more (its publisher
+#: and relief end even when no plugin teardown stops them)
 _CLOSED = frozenset({Status.closing, Status.closed, Status.failed})
+
+
+def worker_alive(worker: Worker) -> Callable[[], bool]:
+    """A check, for a worker's background threads, that ``worker`` still
+    exists and is not closing (holds it weakly)."""
+    worker_ref = weakref.ref(worker)
+
+    def alive() -> bool:
+        w = worker_ref()
+        return w is not None and w.status not in _CLOSED
+
+    return alive
+
 
 #: the share publisher of each worker with a monitor installed
 _publishers: weakref.WeakKeyDictionary[Worker, SharePublisher] = weakref.WeakKeyDictionary()
@@ -67,14 +81,11 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
 
     worker.monitor.get_process_memory = worker_memory  # type: ignore[method-assign]
     tiers = buffer.store.tiers
-    worker_ref = weakref.ref(worker)
-
-    def alive() -> bool:
-        w = worker_ref()
-        return w is not None and w.status not in _CLOSED
-
     publisher = SharePublisher(
-        share_path(buffer.store.directory), tiers.ram_bytes, tiers.refresh_links, alive=alive
+        share_path(buffer.store.directory),
+        tiers.ram_bytes,
+        tiers.refresh_links,
+        alive=worker_alive(worker),
     )
     publisher.start()
     _publishers[worker] = publisher

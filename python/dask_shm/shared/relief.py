@@ -34,7 +34,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dask.utils import format_bytes
-from distributed.core import Status
+
+from dask_shm.shared.monitor import worker_alive
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -45,9 +46,6 @@ logger = logging.getLogger(__name__)
 
 #: bytes moved per hold of the buffer's operation lock
 STEP = 16 * 2**20
-
-#: a worker in one of these states needs no relief any more
-_CLOSED = frozenset({Status.closing, Status.closed, Status.failed})
 
 
 class Tier2Relief:
@@ -162,10 +160,6 @@ def start_for_worker(worker: Worker, buffer: SharedSpillBuffer) -> Tier2Relief |
         w = worker_ref()
         return 0 if w is None else int(w.monitor.get_process_memory())
 
-    def alive() -> bool:
-        w = worker_ref()
-        return w is not None and w.status not in _CLOSED
-
     return Tier2Relief(
         buffer,
         memory,
@@ -173,5 +167,5 @@ def start_for_worker(worker: Worker, buffer: SharedSpillBuffer) -> Tier2Relief |
         spill=spill,
         target=min(manager.memory_target_fraction or spill, spill),
         interval=manager.memory_monitor_interval or 0.1,
-        alive=alive,
+        alive=worker_alive(worker),
     ).start()

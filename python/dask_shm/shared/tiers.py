@@ -318,16 +318,7 @@ class TieredFiles:
         """Move unpinned least recently used files down the tiers until each
         is within its budget, the first with room for ``incoming`` bytes;
         returns whether that room exists."""
-        with self._lock:
-            fits = True
-            for index, tier in enumerate(self.tiers[:-1]):
-                assert tier.budget is not None
-                victims, room = tier.budget.plan(incoming if index == 0 else 0)
-                if index == 0:
-                    fits = room
-                for name in victims:
-                    self._move(name, index)
-            return fits
+        return self._move_over_budget(incoming, None)[0]
 
     def relieve(self, max_bytes: int) -> int:
         """Like :meth:`enforce` without incoming bytes, but stop once about
@@ -335,16 +326,24 @@ class TieredFiles:
         step that holds the lock for a bounded time. Returns the bytes moved;
         0 when every tier is within its budget or nothing over it may move
         (pinned)."""
+        return self._move_over_budget(0, max_bytes)[1]
+
+    def _move_over_budget(self, incoming: int, max_bytes: int | None) -> tuple[bool, int]:
+        """(whether the first tier has room for ``incoming`` bytes, bytes
+        moved), moving files over budget down the tiers until done or, with
+        ``max_bytes``, once that many have moved."""
         with self._lock:
-            before = self.moved_bytes
+            fits, before = True, self.moved_bytes
             for index, tier in enumerate(self.tiers[:-1]):
                 assert tier.budget is not None
-                victims, _ = tier.budget.plan(0)
+                victims, room = tier.budget.plan(incoming if index == 0 else 0)
+                if index == 0:
+                    fits = room
                 for name in victims:
                     self._move(name, index)
-                    if self.moved_bytes - before >= max_bytes:
-                        return self.moved_bytes - before
-            return self.moved_bytes - before
+                    if max_bytes is not None and self.moved_bytes - before >= max_bytes:
+                        return fits, self.moved_bytes - before
+            return fits, self.moved_bytes - before
 
     @property
     def first_ceiling(self) -> int:
