@@ -87,11 +87,13 @@ class FileStore:
         Never use it for a store whose files anyone maps: overwriting a file
         changes the pages a private mapping has not touched yet.
 
-        ``defer_deletes``: removed entries' files are deleted by one
-        process-wide thread rather than by the caller (on a tmpfs, freeing a
-        file's pages is most of a delete's cost); ``delete`` returns once the
-        entry is no longer accounted, and :func:`flush_deletes` waits for the
-        files. In a forked child deletes happen at once. ValueError with
+        ``defer_deletes``: a calling thread that deletes many files in a
+        burst hands the excess to one process-wide thread (on a tmpfs, freeing
+        a file's pages is most of a delete's cost): each thread deletes in
+        place while its budget of unlink time lasts (10 ms at once, refilled
+        at a tenth of the time that passes). A deferred ``delete`` returns once
+        the entry is no longer accounted, and :func:`flush_deletes` waits for
+        the files. In a forked child deletes happen at once. ValueError with
         ``recycle_bytes``."""
     @property
     def directory(self) -> str: ...
@@ -173,7 +175,8 @@ class FileStore:
 
 def flush_deletes() -> None:
     """Wait until the files every ``FileStore(..., defer_deletes=True)`` was
-    asked to delete before this call are gone."""
+    asked to delete before this call are gone (those it deleted in place are
+    gone already)."""
 
 # --- local shared-memory scheduler (rust/core/local_transport.rs, rust/py/local_transport.rs) ---
 

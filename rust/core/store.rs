@@ -94,7 +94,8 @@ pub struct FileStore {
     tag: String,
     /// Files kept for reuse; None when recycling is off.
     pool: Option<Mutex<Pool>>,
-    /// Removed entries' files are deleted by `unlinker`'s thread.
+    /// Removed entries' files are deleted at `unlinker`'s pace: in the
+    /// caller's thread, a burst's excess on the unlinking thread.
     defer_deletes: bool,
 }
 
@@ -194,10 +195,11 @@ impl FileStore {
         })
     }
 
-    /// Open a store whose removed entries' files are deleted on another
-    /// thread (see `unlinker`): `remove` then returns once the entry is no
-    /// longer accounted, and the file disappears shortly after
-    /// (`unlinker::flush` waits for it). No recycling.
+    /// Open a store whose removed entries' files are deleted at a pace (see
+    /// `unlinker::unlink_paced`): in the caller's thread while its budget of
+    /// unlink time lasts, else on another thread, where `remove` returns once
+    /// the entry is no longer accounted and the file disappears shortly
+    /// after (`unlinker::flush` waits for it). No recycling.
     pub fn open_deferring_deletes(dir: impl Into<PathBuf>) -> io::Result<FileStore> {
         let mut store = Self::open(dir)?;
         store.defer_deletes = true;
@@ -222,7 +224,7 @@ impl FileStore {
         &self.dir
     }
 
-    /// Whether removed entries' files are deleted on `unlinker`'s thread.
+    /// Whether removed entries' files may be deleted on `unlinker`'s thread.
     pub fn defers_deletes(&self) -> bool {
         self.defer_deletes
     }
@@ -629,7 +631,7 @@ impl FileStore {
             return Ok(true);
         }
         if self.defer_deletes {
-            return unlinker::unlink_later(path.to_path_buf()).map(|()| false);
+            return unlinker::unlink_paced(path.to_path_buf()).map(|()| false);
         }
         match fs::remove_file(path) {
             Ok(()) => Ok(false),

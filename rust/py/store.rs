@@ -248,8 +248,8 @@ impl FileStore {
     /// Returns `(memory, disk)` that were accounted, or None if unknown.
     fn delete(&self, py: Python<'_>, name: &str) -> PyResult<Option<(u64, u64)>> {
         let store = Arc::clone(&self.inner);
-        // A deferred delete does no I/O (but in a forked child): keeping the
-        // GIL spares a batch of deletes one wait for it each.
+        // A paced delete does at most ~10 ms of I/O in a burst, then none:
+        // keeping the GIL spares a batch of deletes one wait for it each.
         let sizes = if store.defers_deletes() {
             store.remove(name)
         } else {

@@ -172,7 +172,7 @@ def open_tiers(
             name=spec.name,
             number=FIRST_FILE_TIER + i,
             root=spec.root,
-            # No recycling: files are mapped. Deletes are deferred: a worker
+            # No recycling: files are mapped. Deletes are paced: a worker
             # releases keys in batches within one event-loop callback.
             store=FileStore(paths.subdir(spec.root, buffer_name), defer_deletes=True),
             outgoing=paths.subdir(spec.root, "outgoing"),
