@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
+import threading
 
 import dask
 import numpy as np
@@ -12,8 +14,15 @@ import pyarrow as pa
 import pytest
 
 from dask_shm import SpillBuffer
-from dask_shm._core import ForgedHandleError, MappedFile, flush_deletes, read_peer_file
+from dask_shm._core import (
+    ForgedHandleError,
+    MappedFile,
+    flush_deletes,
+    live_mappings,
+    read_peer_file,
+)
 from dask_shm.shared import SharedSpillBuffer, paths, transfer
+from dask_shm.shared.payload import read_tracking_mapping
 from dask_shm.shared.store import Handle, SharedSpillStore
 
 MB = 2**20
@@ -132,6 +141,64 @@ def test_pandas_and_arrow_data_come_back_shared(root, value):
         pd.testing.assert_frame_equal(got, value)
     else:
         assert got.equals(value)
+
+
+def _collect_garbage_then(array: np.ndarray) -> np.ndarray:
+    gc.collect()
+    return array
+
+
+class CollectsGarbageWhenLoaded:
+    """Pickles as its array (an out-of-band buffer, so mapped when unspilled);
+    unpickling it runs a garbage collection, in the middle of the read."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __reduce__(self):
+        return _collect_garbage_then, (self.array,)
+
+
+def test_a_mapping_freed_during_a_read_does_not_make_the_value_private(root):
+    other = shared_buffer()
+    other["w"] = np.ones(MB // 8)
+    other.evict()
+    garbage = [other["w"]]  # a mapped value, soon held only by a reference cycle
+    del other["w"]
+    buf = shared_buffer()
+    buf["v"] = CollectsGarbageWhenLoaded(np.arange(MB // 8))
+    buf.evict()
+    was_enabled = gc.isenabled()
+    gc.disable()  # the garbage goes in the read, not before it
+    try:
+        garbage.append(garbage)
+        del garbage
+        mappings = live_mappings()
+        got = buf["v"]
+        assert live_mappings() <= mappings  # it made one, and a collection freed ours
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert backed_by_mapping(got)
+    assert buf.fast.weights["v"] < 0.1 * MB  # weighed as mapped, not as a private copy
+    np.testing.assert_array_equal(got, np.arange(MB // 8))
+
+
+def test_a_mapping_made_by_another_thread_during_a_read_is_not_the_values(root):
+    buf = shared_buffer()
+    buf["x"] = np.ones(MB // 8)
+    buf.evict()
+    store, name = store_of(buf), store_of(buf).filenames["x"]
+    held = []
+
+    def read_a_private_copy() -> bytes:
+        other = threading.Thread(target=lambda: held.append(store.map_file(name)))
+        other.start()
+        other.join()
+        return bytes(100)
+
+    _, backed = read_tracking_mapping(read_a_private_copy)
+    assert held and not backed
 
 
 def test_pickled_objects_and_small_values_stay_private(root):

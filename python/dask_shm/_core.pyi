@@ -1,8 +1,8 @@
 """Type stubs for the Rust extension module ``dask_shm._core``."""
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from os import PathLike
-from typing import Any, Self, final
+from typing import Any, Self, TypeVar, final
 
 from typing_extensions import Buffer
 
@@ -41,7 +41,10 @@ __all__ = [
     "SpillFileError",
     "TierBudget",
     "TrackerHub",
+    "watch_mappings",
 ]
+
+_T = TypeVar("_T")
 
 __version__: str
 #: A frame of at least FRAME_ALIGN_MIN_LEN bytes starts at a multiple of this
@@ -380,6 +383,12 @@ def read_peer_file(
 
 def live_mappings() -> int:
     """Number of spill-file mappings (``MappedFile``) alive in this process."""
+
+def watch_mappings(read: Callable[[], _T]) -> tuple[_T, bool]:
+    """Call ``read()`` and return ``(its value, kept)``: ``kept`` tells whether
+    a mapping (``MappedFile``) that ``read`` made on this thread is still alive
+    once it returned. Mappings made or freed meanwhile by other threads, or by
+    anything ``read`` frees (a garbage collection), do not change the answer."""
 
 def mapped_ranges(device: int, inode: int) -> list[tuple[int, int]]:
     """``(start, end)`` addresses of this process's live ``MappedFile``

@@ -1,12 +1,13 @@
 //! Borrowing raw bytes out of Python buffer objects, and exporting a memory
 //! mapping as a Python buffer.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_int;
 use std::os::unix::fs::MetadataExt;
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use memmap2::MmapMut;
 use pyo3::exceptions::PyBufferError;
@@ -134,6 +135,8 @@ pub struct MappedFile {
     path: String,
     /// `(device, inode)` of the file when it was mapped, if it could be seen.
     file_id: Option<(u64, u64)>,
+    /// Lives as long as the mapping: what `watch_mappings` holds weakly.
+    _token: Arc<()>,
 }
 
 /// Number of `MappedFile`s alive in this process (each is one kernel mapping,
@@ -147,6 +150,12 @@ static MAPPED_RANGES: Mutex<Option<RangesByFile>> = Mutex::new(None);
 
 /// `(device, inode)` -> `(start, length)` of each live mapping of that file.
 type RangesByFile = HashMap<(u64, u64), Vec<(usize, usize)>>;
+
+thread_local! {
+    /// While `watch_mappings` runs a call on this thread: the tokens of the
+    /// mappings made meanwhile on this thread.
+    static WATCHED: RefCell<Option<Vec<Weak<()>>>> = const { RefCell::new(None) };
+}
 
 fn mapped_ranges_table() -> MutexGuard<'static, Option<RangesByFile>> {
     // Each update is a few operations on the map; poisoning cannot leave it torn.
@@ -168,7 +177,18 @@ impl MappedFile {
                 .or_default()
                 .push((map.as_ptr() as usize, map.len()));
         }
-        MappedFile { map, path, file_id }
+        let token = Arc::new(());
+        WATCHED.with_borrow_mut(|watched| {
+            if let Some(watched) = watched {
+                watched.push(Arc::downgrade(&token));
+            }
+        });
+        MappedFile {
+            map,
+            path,
+            file_id,
+            _token: token,
+        }
     }
 }
 
@@ -211,6 +231,26 @@ pub fn mapped_ranges(device: u64, inode: u64) -> Vec<(usize, usize)> {
 #[pyfunction]
 pub fn live_mappings() -> usize {
     LIVE_MAPPINGS.load(Ordering::Relaxed)
+}
+
+/// Call `read()` and return `(its value, kept)`: `kept` tells whether a
+/// mapping that `read` made on this thread is still alive once it returned,
+/// i.e. whether the value (or anything else) holds it. Mappings made or
+/// dropped meanwhile by other threads, or by anything `read` frees (a garbage
+/// collection), do not change the answer.
+#[pyfunction]
+pub fn watch_mappings<'py>(read: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, bool)> {
+    let outer = WATCHED.replace(Some(Vec::new()));
+    let result = read.call0();
+    let made = WATCHED.replace(outer).unwrap_or_default();
+    // Nested in another watched call: these mappings were made during it too.
+    WATCHED.with_borrow_mut(|watched| {
+        if let Some(watched) = watched {
+            watched.extend(made.iter().cloned());
+        }
+    });
+    let kept = made.iter().any(|token| token.strong_count() > 0);
+    Ok((result?, kept))
 }
 
 #[pymethods]

@@ -42,7 +42,7 @@ mod _core {
         born_release_cache, born_seal, born_stats, set_numpy_handler,
     };
     #[pymodule_export]
-    use super::buffers::{live_mappings, mapped_ranges, MappedFile};
+    use super::buffers::{live_mappings, mapped_ranges, watch_mappings, MappedFile};
     #[pymodule_export]
     use super::errors::{ForgedHandleError, SpillFileError};
     #[pymodule_export]

@@ -60,15 +60,14 @@ _COPIED_TYPES = frozenset({"bytes", "bytearray"})
 def read_tracking_mapping(read: Callable[[], T]) -> tuple[T, bool]:
     """Run ``read`` (which maps a file and deserializes it, dropping its own
     references to the frames) and tell whether the value it returns still
-    keeps a mapping alive, i.e. lives at least partly in the file; False
-    means it came back as a private copy and must be weighed in full.
-    Counts this process's live mappings: a mapping made or dropped by another
-    thread meanwhile can make the answer wrong, never the value."""
-    from dask_shm._core import live_mappings
+    keeps a mapping that ``read`` made alive, i.e. lives at least partly in
+    the file; False means it came back as a private copy and must be weighed
+    in full. Only the mappings made by ``read`` itself (on this thread) are
+    looked at: others made or freed meanwhile, by other threads or by a
+    garbage collection during the read, do not change the answer."""
+    from dask_shm._core import watch_mappings
 
-    before = live_mappings()
-    value = read()
-    return value, live_mappings() > before
+    return watch_mappings(read)
 
 
 def worth_sharing(
