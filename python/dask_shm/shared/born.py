@@ -38,10 +38,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from dask_shm import _core
 from dask_shm.config import byte_size, shipped_default
+from dask_shm.spill_store import pack_header
 from dask_shm.sysctl import max_map_count
 
 #: Smallest allocation served from a file unless configured otherwise
@@ -204,14 +203,14 @@ def file_prefix(header: dict, payload: int) -> bytes | None:
     wanted = page - table_len
     if wanted >= _core.FRAME_ALIGN_MIN_LEN:
         return None
-    encoded = msgpack.dumps(header, use_bin_type=True)
+    encoded = pack_header(header)
     if len(encoded) > wanted:
         return None
     padded = dict(header)
     pad = 0
     for _ in range(4):  # the pad's own length prefix may grow by a byte or two
         padded[_PAD_KEY] = b"\0" * pad
-        encoded = msgpack.dumps(padded, use_bin_type=True)
+        encoded = pack_header(padded)
         if len(encoded) == wanted:
             break
         pad = max(pad + wanted - len(encoded), 0)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Literal
 
-import msgpack
 from dask.typing import Key
 from distributed.sizeof import safe_sizeof
 
@@ -42,6 +41,7 @@ from dask_shm.spill_store import (
     PickleError,
     SpillStore,
     file_stem,
+    pack_header,
     serialize_unsplit,
 )
 from dask_shm.sysctl import max_map_count
@@ -145,7 +145,7 @@ class SharedSpillStore(SpillStore):
         except Exception as e:
             raise PickleError(key) from e
         share, shareable = worth_sharing(header, frames, self.min_size, self.min_shared_fraction)
-        return [msgpack.dumps(header, use_bin_type=True), *frames], (shareable if share else None)
+        return [pack_header(header), *frames], (shareable if share else None)
 
     def __setitem__(self, key: Key, value: object) -> None:
         # An array born shared is already in a file: only its header is written.
