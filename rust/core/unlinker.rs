@@ -6,11 +6,11 @@
 //! released key from `Worker.data` within one callback), so a batch of a few
 //! thousand shared files held the loop for over 100 ms.
 //!
-//! Handing every path to another thread bounds that, but costs more than it
-//! saves when deletes are few: at 30,000 keys (4 workers) it made the whole
-//! computation 5-15% slower, on 2 cores and on 16, and the pages it frees
-//! land on another CPU's free list than the one that allocates the next
-//! file. So `unlink_paced` deletes in the caller's thread while that thread's
+//! Handing every path to another thread bounds that, but can cost more than
+//! it saves: at 30,000 keys (4 workers, 16 cores) the whole computation took
+//! 89 s instead of 76 s (one pair; on 2 cores runs were too noisy to tell),
+//! and the pages it frees land on another CPU's free list than the one that
+//! allocates the next file. So `unlink_paced` deletes in the caller's thread while that thread's
 //! budget of unlink time lasts (a token bucket: `BURST` at most, refilled at
 //! `SHARE` of the time that passes), and hands the rest of a burst to one
 //! process-wide thread, after the store's accounting has dropped the entry.
@@ -169,7 +169,9 @@ mod tests {
         let first = dir.path().join("first");
         fs::write(&first, b"x").unwrap();
         let path = first.clone();
-        std::thread::spawn(move || unlink_paced(path).unwrap()).join().unwrap();
+        std::thread::spawn(move || unlink_paced(path).unwrap())
+            .join()
+            .unwrap();
         assert!(!first.exists());
         // A thread whose budget is spent defers (see the next test for the
         // decision); the files are gone once flushed.
@@ -193,7 +195,10 @@ mod tests {
     #[test]
     fn the_budget_refills_with_time_and_is_capped() {
         let t0 = Instant::now();
-        let mut pace = Pace { left: -0.001, refilled_at: t0 };
+        let mut pace = Pace {
+            left: -0.001,
+            refilled_at: t0,
+        };
         assert!(!pace.has_budget(t0));
         assert!(!pace.has_budget(t0 + Duration::from_millis(9)));
         // 1 ms overrun refills in 1 ms / SHARE = 10 ms.
