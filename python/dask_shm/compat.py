@@ -175,6 +175,22 @@ def _shuffle_run_methods() -> bool:
     )
 
 
+def _protocol_msgpack() -> bool:
+    import importlib
+
+    import msgpack
+
+    from dask_shm.shared.pack_buffers import PROTOCOL_MODULES, SMALL_BUFFER_MSGPACK
+
+    # importlib: the package attribute distributed.protocol.serialize is the
+    # function of that name, not the module.
+    core, serialize = (importlib.import_module(name) for name in PROTOCOL_MODULES)
+    return all(
+        getattr(module, "msgpack", None) in (msgpack, SMALL_BUFFER_MSGPACK)
+        for module in (core, serialize)
+    ) and all(_code_mentions(f, "msgpack") for f in (core.dumps, serialize.serialize_bytelist))
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         'distributed.worker.Worker.handlers["get_data"]',
@@ -219,6 +235,11 @@ HOOKS: tuple[Hook, ...] = (
         "distributed.worker.Worker._pending_plugins (set up after the preloads)",
         "an invalid shm.* value stopping an in-process worker from starting",
         worker_pending_plugins_hook,
+    ),
+    Hook(
+        "distributed.protocol.{core,serialize}.msgpack (module globals used by dumps)",
+        "shared-memory mode: packing messages without a 256 KiB mapping each",
+        _protocol_msgpack,
     ),
     Hook(
         "distributed.nanny.Nanny.instantiate (called after the preloads)",

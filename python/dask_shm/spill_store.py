@@ -44,19 +44,18 @@ _MAX_STEM = 200
 # `except` clauses written against stock keep working with ours.
 
 
-#: Initial buffer of the msgpack packer for a file's header (it grows as
-#: needed). msgpack's default, 256 KiB, is above glibc's mmap threshold, and
-#: that threshold stays at 128 KiB in a worker (the nanny sets
-#: MALLOC_TRIM_THRESHOLD_, which turns glibc's adjustment off), so every
-#: header packed with it cost an mmap, a page fault and a munmap: ~10 us,
-#: more while other threads map files.
-_HEADER_BUF = 4096
+#: Starting buffer of a msgpack packer (it grows as needed). msgpack's
+#: default, 256 KiB, is above glibc's mmap threshold, and that threshold stays
+#: at 128 KiB in a worker (the nanny sets MALLOC_TRIM_THRESHOLD_, which turns
+#: glibc's adjustment off), so a header packed with it cost an mmap, a page
+#: fault and a munmap: ~10 us, more while other threads map files.
+PACK_BUF = 4096
 
 
 def pack_header(header: Mapping[str, Any]) -> bytes:
     """msgpack of a serialization header, as ``msgpack.dumps(header,
     use_bin_type=True)`` gives, without a quarter-MiB buffer per call."""
-    return msgpack.packb(header, use_bin_type=True, buf_size=_HEADER_BUF)
+    return msgpack.packb(header, use_bin_type=True, buf_size=PACK_BUF)
 
 
 class MaxSpillExceeded(Exception):

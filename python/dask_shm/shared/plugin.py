@@ -21,6 +21,7 @@ from dask_shm.shared import (
     metrics,
     monitor,
     p2p,
+    pack_buffers,
     paths,
     relief,
     root_id,
@@ -136,6 +137,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         )
         transfer.enable_receiving(buffer)
         self._original_get_data = install_get_data(worker, buffer, self._registry, tokens)
+        pack_buffers.install()
         first = buffer.store.tiers.tiers[0].number
         if first in tokens:
             try:
