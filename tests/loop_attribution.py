@@ -200,6 +200,10 @@ class LoopAttribution(WorkerPlugin):
             gc.callbacks.remove(self._sampler.on_gc)
             self._sampler = None
 
+    def samples_in_running_callback(self) -> int:
+        """Stack samples taken so far in the callback that is running."""
+        return 0 if self._sampler is None else sum(self._sampler.samples.values())
+
     def reset(self) -> None:
         """Forget the slow callbacks seen so far (e.g. the cluster's start)."""
         if self._sampler is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster
@@ -13,29 +14,41 @@ from loop_attribution import LoopAttribution, report, reset, summary
 
 from dask_shm.spill_store import file_stem
 
+#: Stack samples a spin waits for: the sampler gets the GIL about once per
+#: switch interval of the loop thread's running, so on a loaded host a 0.4 s
+#: window held as few as 5, and one sample in the spin's own lines (charged
+#: to distributed) was a 20% share.
+MIN_SAMPLES = 100
 
-def _spin_in_dask_shm(seconds: float) -> tuple[float, float]:
-    """Hold the worker's loop inside dask-shm code (``client.run`` calls a
-    plain function in the event loop); returns when it began and ended."""
+
+def _spin(seconds: float, dask_worker: Any, step: Callable[[int], object]) -> tuple[float, float]:
+    """Hold the worker's loop in ``step`` for at least ``seconds`` and until
+    the sampler has taken MIN_SAMPLES samples in this callback (``client.run``
+    calls a plain function in the event loop); returns when it began and
+    ended."""
+    plugin = dask_worker.plugins[LoopAttribution.name]
     start = time.perf_counter()
     n = 0
-    while time.perf_counter() < start + seconds:
-        # A long key: each call is long next to the loop's own lines (charged
-        # to distributed), which a loaded host's samples otherwise hit often
-        # enough to bring dask-shm's share near the 0.8 asserted below.
-        file_stem(("x" * 4000, n))
-        n += 1
-    return start, time.perf_counter()
+    while True:
+        for _ in range(100):
+            step(n)
+            n += 1
+        if (
+            time.perf_counter() >= start + seconds
+            and plugin.samples_in_running_callback() >= MIN_SAMPLES
+        ):
+            return start, time.perf_counter()
 
 
-def _spin_here(seconds: float) -> tuple[float, float]:
-    """Hold it in code of neither package: charged to distributed, the
-    innermost owned frame (its ``run`` handler)."""
-    start = time.perf_counter()
-    n = 0
-    while time.perf_counter() < start + seconds:
-        n += 1
-    return start, time.perf_counter()
+def _spin_in_dask_shm(seconds: float, dask_worker: Any) -> tuple[float, float]:
+    """In dask-shm code: charged to dask_shm."""
+    return _spin(seconds, dask_worker, lambda n: file_stem(("x", n)))
+
+
+def _spin_here(seconds: float, dask_worker: Any) -> tuple[float, float]:
+    """In code of neither package: charged to distributed, the innermost
+    owned frame (its ``run`` handler)."""
+    return _spin(seconds, dask_worker, lambda n: n + 1)
 
 
 def _the_callback(slow: list[dict], window: tuple[float, float]) -> dict:
@@ -75,14 +88,16 @@ def test_long_callbacks_are_charged_to_the_code_that_ran(client: Client) -> None
     ours = _the_callback(slow, ours_window)
     theirs = _the_callback(slow, theirs_window)
     assert ours["seconds"] >= 0.4
-    assert ours["owner_seconds"]["dask_shm"] > 0.8 * ours["seconds"]
-    assert ours["owner_cpu_seconds"]["dask_shm"] > 0.8 * ours["cpu_seconds"]
+    # the spin's own lines and lambda are charged to distributed: 5-15%
+    assert ours["samples"] >= MIN_SAMPLES
+    assert ours["owner_seconds"]["dask_shm"] > 0.7 * ours["seconds"]
+    assert ours["owner_cpu_seconds"]["dask_shm"] > 0.7 * ours["cpu_seconds"]
     assert theirs["seconds"] >= 0.4
     assert theirs["owner_seconds"].get("dask_shm", 0) < 0.05
     assert theirs["owner_seconds"]["distributed"] > 0.8 * theirs["seconds"]
     figures = summary({"w": worker_report})
     assert figures["slow_callbacks"] >= 2
-    assert 0.8 * 400 < figures["max_dask_shm_ms"] <= figures["max_callback_ms"]
+    assert 0.7 * 400 < figures["max_dask_shm_ms"] <= figures["max_callback_ms"]
 
 
 def _collect_garbage_in_the_loop(objects: int) -> float:
