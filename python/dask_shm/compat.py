@@ -176,15 +176,11 @@ def _shuffle_run_methods() -> bool:
 
 
 def _protocol_msgpack() -> bool:
-    import importlib
-
     import msgpack
 
-    from dask_shm.shared.pack_buffers import PROTOCOL_MODULES, SMALL_BUFFER_MSGPACK
+    from dask_shm.shared.pack_buffers import SMALL_BUFFER_MSGPACK, protocol_modules
 
-    # importlib: the package attribute distributed.protocol.serialize is the
-    # function of that name, not the module.
-    core, serialize = (importlib.import_module(name) for name in PROTOCOL_MODULES)
+    core, serialize = protocol_modules()
     return all(
         getattr(module, "msgpack", None) in (msgpack, SMALL_BUFFER_MSGPACK)
         for module in (core, serialize)

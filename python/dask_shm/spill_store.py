@@ -52,10 +52,17 @@ _MAX_STEM = 200
 PACK_BUF = 4096
 
 
+def pack_small_first(obj: object, **kwargs: Any) -> bytes:
+    """``msgpack.packb(obj, **kwargs)`` starting with a PACK_BUF buffer
+    unless ``buf_size`` is given: the same bytes."""
+    kwargs.setdefault("buf_size", PACK_BUF)
+    return msgpack.packb(obj, **kwargs)  # type: ignore[no-any-return]
+
+
 def pack_header(header: Mapping[str, Any]) -> bytes:
     """msgpack of a serialization header, as ``msgpack.dumps(header,
     use_bin_type=True)`` gives, without a quarter-MiB buffer per call."""
-    return msgpack.packb(header, use_bin_type=True, buf_size=PACK_BUF)
+    return pack_small_first(header, use_bin_type=True)
 
 
 class MaxSpillExceeded(Exception):

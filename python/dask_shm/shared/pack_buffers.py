@@ -17,21 +17,22 @@ no quarter-MiB mapping per message. Process-wide and idempotent.
 
 from __future__ import annotations
 
+import importlib
 import types
-from typing import Any
 
 import msgpack
 
-from dask_shm.spill_store import PACK_BUF
+from dask_shm.spill_store import pack_small_first
 
 #: distributed's modules that pack messages with ``msgpack.dumps``.
 PROTOCOL_MODULES = ("distributed.protocol.core", "distributed.protocol.serialize")
 
 
-def packb(obj: object, **kwargs: Any) -> bytes:
-    """``msgpack.packb`` with a small starting buffer unless one is given."""
-    kwargs.setdefault("buf_size", PACK_BUF)
-    return msgpack.packb(obj, **kwargs)
+def protocol_modules() -> list[types.ModuleType]:
+    """The modules of :data:`PROTOCOL_MODULES` (imported by name: the
+    package attribute ``distributed.protocol.serialize`` is the function of
+    that name, not the module)."""
+    return [importlib.import_module(name) for name in PROTOCOL_MODULES]
 
 
 def _small_buffer_msgpack() -> types.ModuleType:
@@ -39,8 +40,8 @@ def _small_buffer_msgpack() -> types.ModuleType:
     module.__dict__.update(
         {k: v for k, v in vars(msgpack).items() if k not in ("__name__", "__doc__")}
     )
-    module.packb = packb  # type: ignore[attr-defined]
-    module.dumps = packb  # type: ignore[attr-defined]
+    module.packb = pack_small_first  # type: ignore[attr-defined]
+    module.dumps = pack_small_first  # type: ignore[attr-defined]
     return module
 
 
@@ -50,19 +51,13 @@ SMALL_BUFFER_MSGPACK = _small_buffer_msgpack()
 def install() -> None:
     """Point distributed's protocol modules at :data:`SMALL_BUFFER_MSGPACK`
     (a module without a ``msgpack`` global is left alone: compat reports it)."""
-    import importlib
-
-    for name in PROTOCOL_MODULES:
-        module = importlib.import_module(name)
+    for module in protocol_modules():
         if getattr(module, "msgpack", None) is msgpack:
             module.msgpack = SMALL_BUFFER_MSGPACK  # type: ignore[attr-defined]
 
 
 def installed() -> bool:
     """Whether every protocol module packs with the small buffer."""
-    import importlib
-
     return all(
-        getattr(importlib.import_module(name), "msgpack", None) is SMALL_BUFFER_MSGPACK
-        for name in PROTOCOL_MODULES
+        getattr(module, "msgpack", None) is SMALL_BUFFER_MSGPACK for module in protocol_modules()
     )
