@@ -6,7 +6,8 @@
 last-resort handler (WARNING and above, message only). :func:`initialize_logging`
 gives the ``dask_shm`` logger the same treatment, at the level the config
 gives ``distributed``, so that a worker's "shared-memory mode on ..." line
-sits among distributed's lines, in their format.
+sits among distributed's lines, in their format, and is silenced when theirs
+are (:class:`AsQuietAsDistributed`).
 
 It follows distributed's "old-style" rules and nothing else: a config that
 names ``dask_shm`` itself is left to distributed (which configures it when
@@ -29,6 +30,23 @@ LOGGER_NAME = "dask_shm"
 #: not imported distributed (whose defaults then are not in dask's config).
 DEFAULT_FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
 _done = False
+
+
+class AsQuietAsDistributed(logging.Filter):
+    """Passes a record only at or above the level of the ``distributed``
+    logger's own stream handlers. A cluster's ``silence_logs`` (LocalCluster's
+    default: WARNING) raises those handlers' levels for its servers' lifetime
+    (``distributed.utils.silence_logging_cmgr``) without touching any other
+    logger: this makes our handler follow, so that a worker's "shared-memory
+    mode on ..." is silenced wherever distributed's "Start worker at ..." is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        levels = [
+            h.level
+            for h in logging.getLogger("distributed").handlers
+            if isinstance(h, logging.StreamHandler)
+        ]
+        return not levels or record.levelno >= max(levels)
 
 
 def initialize_logging() -> None:
@@ -55,5 +73,6 @@ def initialize_logging() -> None:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(log_format(DEFAULT_FORMAT)))
+    handler.addFilter(AsQuietAsDistributed())
     logger.addHandler(handler)
     logger.propagate = False

@@ -81,7 +81,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         # Before the budget, which is capped by the root's free space: what
         # dead processes left there is not taken. O(their files): in a thread,
         # off the event loop (an in-process cluster shares it with the client).
-        await asyncio.to_thread(reclaim_dead_processes, tiers_of(settings, root))
+        await sweep_off_the_loop(tiers_of(settings, root))
         if isinstance(worker.data, SharedSpillBuffer):  # set up meanwhile
             return
         self._install(worker, settings, born_settings, root)
@@ -251,7 +251,7 @@ class SharedMemoryNannyPlugin(NannyPlugin):
         # O(files) of dead processes: in a thread, so that the nanny's event
         # loop (in a LocalCluster also the scheduler's and the client's) runs on.
         if self._tiers is not None:
-            await asyncio.to_thread(reclaim_dead_processes, self._tiers)
+            await sweep_off_the_loop(self._tiers)
 
     async def setup(self, nanny: Nanny) -> None:
         settings = SharedMemorySettings.from_config()
@@ -266,6 +266,19 @@ class SharedMemoryNannyPlugin(NannyPlugin):
 
     async def teardown(self, nanny: Nanny) -> None:
         await self._sweep()
+
+
+async def sweep_off_the_loop(tiers: list[TierSpec]) -> int:
+    """:func:`reclaim_dead_processes` in the event loop's default executor, so
+    that the loop runs on meanwhile; in the loop itself when that executor is
+    already shut down (a cluster closed while its process exits: nothing else
+    is left for the loop to run, and stock closes quietly there too)."""
+    loop = asyncio.get_running_loop()
+    try:
+        swept = loop.run_in_executor(None, reclaim_dead_processes, tiers)
+    except RuntimeError:  # "cannot schedule new futures after shutdown"
+        return reclaim_dead_processes(tiers)
+    return await swept
 
 
 def reclaim_dead_processes(tiers: Iterable[TierSpec]) -> int:
