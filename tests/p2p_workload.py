@@ -4,7 +4,8 @@ stock or in shared-memory mode (config alone), with what crossed loopback.
 Run as a script (``python p2p_workload.py MODE ROOT``, MODE ``stock`` or
 ``shared``) it prints one JSON line per workload: the loopback bytes
 (``/proc/net/dev``, ``lo``, received) during the compute, a checksum of the
-result, the workers' P2P counters and the ``*.p2p`` files left under ROOT.
+result, the workers' P2P counters, the ``*.p2p`` files left under ROOT and
+the keys of the P2P fine performance metrics so far.
 The tests run it in a network namespace of its own (``unshare --net``), so
 that other processes' loopback traffic is not counted.
 """
@@ -123,6 +124,20 @@ def limits(dask_worker) -> dict:
     return {"memory_limit": dask_worker.memory_manager.memory_limit, "tier2_budget": budget}
 
 
+async def _heartbeat(dask_worker) -> None:
+    await dask_worker.heartbeat()
+
+
+def p2p_metric_keys(client: Client) -> list[list[str]]:
+    """The keys of the scheduler's fine performance metrics of P2P (those
+    starting with "p2p"), once every worker has reported its own."""
+    client.run(_heartbeat)
+    keys = client.run_on_scheduler(
+        lambda dask_scheduler: [list(k) for k in dask_scheduler.cumulative_worker_metrics]
+    )
+    return sorted(k for k in keys if k[0] == "p2p")
+
+
 def main(mode: str, root: str) -> None:
     with cluster(mode, root) as client:
         for name, workload in (("shuffle", shuffled_checksum), ("rechunk", rechunked_checksum)):
@@ -142,6 +157,7 @@ def main(mode: str, root: str) -> None:
                         "counters": counters,
                         "files_left": shard_files(root),
                         "limits": list(client.run(limits).values()),
+                        "p2p_metric_keys": p2p_metric_keys(client),
                     }
                 ),
                 flush=True,

@@ -23,6 +23,8 @@ import mmap
 import os
 import struct
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -109,16 +111,23 @@ def _layout(batch: list | bytes) -> tuple[int, bytes, list[memoryview]]:
     return KIND_PICKLE, frames, raw
 
 
-def write(path: str, batch: list | bytes) -> tuple[int, str]:
+def write(
+    path: str,
+    batch: list | bytes,
+    *,
+    serializing: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> tuple[int, str]:
     """Write ``batch`` to a new file ``path``; returns (size, nonce). The
     file is removed if anything fails (OSError from the file system, an
-    exception from pickling or BufferError), which is raised.
+    exception from pickling or BufferError), which is raised. The pickling
+    runs inside ``serializing()`` (e.g. a metrics meter).
 
     One ``writev`` call writes the whole batch (header, pickle, padding and
     the buffers straight from the arrays' memory): no copy in user space and
     a single release of the GIL, so it runs in the event loop as stock's
     socket writes do, without a thread hand-over per batch."""
-    kind, body, buffers = _layout(batch)
+    with serializing():
+        kind, body, buffers = _layout(batch)
     nonce = uuid.uuid4().bytes
     head = _HEADER.pack(MAGIC, nonce, kind, len(buffers), len(body)) + b"".join(
         _LENGTH.pack(b.nbytes) for b in buffers
