@@ -255,6 +255,77 @@ def test_export_and_adopt_share_one_inode_and_split_accounting(root):
     np.testing.assert_array_equal(receiver["x"], np.arange(MB // 8, dtype=float))
 
 
+def reduction_parts() -> dict[str, object]:
+    """Values that are not weak-referenceable but hold arrays, as dask's
+    reductions pass between workers (``mean_chunk`` returns a dict)."""
+    total = np.arange(MB // 8, dtype=float)
+    return {
+        "dict": {"n": np.full(1, 3.0), "total": total},
+        "tuple": (total, np.ones(4)),
+        "list": [total, np.ones(4)],
+    }
+
+
+def arrays_in(value: object) -> list[np.ndarray]:
+    parts = value.values() if isinstance(value, dict) else value
+    return [a for a in parts if isinstance(a, np.ndarray)]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple", "list"])
+def test_a_container_of_arrays_received_by_link_stays_shared(root, kind):
+    """A dict, tuple or list of arrays (not weak-referenceable) is kept by
+    its link like an array: one file for both workers, only private bytes
+    weigh on the receiver, its eviction writes nothing, and once the sender
+    drops it the receiver's file still counts its pages (none are held by
+    a mapping alone, which no worker's share would count)."""
+    sender, receiver = shared_buffer(), shared_buffer()
+    sender["x"] = reduction_parts()[kind]
+    handle = sender.export("x")
+    assert handle is not None
+    value = transfer.receive(handle)
+    os.unlink(handle.path)
+    assert all(backed_by_mapping(a) for a in arrays_in(value) if a.nbytes >= MB // 2)
+    receiver["x"] = value
+    assert receiver.shm_counters["received_links"] == 1
+    assert receiver.fast.weights["x"] < MB // 8
+    s_path, r_path = store_of(sender).path("x"), store_of(receiver).path("x")
+    assert os.stat(s_path).st_ino == os.stat(r_path).st_ino
+    size = os.path.getsize(r_path)
+    del sender["x"]
+    flush_deletes()
+    receiver.refresh_links()
+    assert receiver.spilled_total.disk == size
+    # evicted: the file is already there, nothing is written
+    receiver.fast.evict("x")
+    assert "x" in receiver.slow and store_of(receiver).path("x") == r_path
+    del value
+    got = receiver["x"]
+    expected = reduction_parts()[kind]
+    for a, b in zip(arrays_in(got), arrays_in(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_a_received_container_dropped_before_it_is_stored_leaves_no_file(root, kind):
+    """A fetch cancelled after the value arrived: its file goes once the
+    value (a container, not weak-referenceable) is garbage."""
+    sender, receiver = shared_buffer(), shared_buffer()
+    sender["x"] = reduction_parts()[kind]
+    handle = sender.export("x")
+    assert handle is not None
+    value = transfer.receive(handle)
+    os.unlink(handle.path)
+    assert receiver.pending_arrivals() == 1
+    directory = store_of(receiver).directory
+    assert len(os.listdir(directory)) == 1
+    del value
+    gc.collect()
+    flush_deletes()
+    assert receiver.pending_arrivals() == 0
+    assert os.listdir(directory) == []
+    assert receiver.shm_counters["abandoned_arrivals"] == 1
+
+
 def forged_handles(root: str, genuine: Handle, outside: str) -> dict[str, tuple[str, int]]:
     stolen = os.path.join(outside, "copy")
     with open(genuine.path, "rb") as src, open(stolen, "wb") as dst:

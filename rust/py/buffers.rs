@@ -128,8 +128,10 @@ pub unsafe fn export_bytes(
 /// A private, writable memory mapping of a spill file, exported through the
 /// buffer protocol. Writes go to private copy-on-write pages and never reach
 /// the file, so a task that modifies an array deserialized from it cannot
-/// change what anyone else reads.
-#[pyclass(module = "dask_shm._core", frozen)]
+/// change what anyone else reads. Weak-referenceable: a receiver follows
+/// the life of the mapping when the value over it cannot be followed (a dict
+/// or tuple of arrays).
+#[pyclass(module = "dask_shm._core", frozen, weakref)]
 pub struct MappedFile {
     map: MmapMut,
     path: String,

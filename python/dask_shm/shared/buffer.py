@@ -28,13 +28,14 @@ and owned by the buffer from then on; the caller may delete its own link.
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 import weakref
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import zict
 from dask.typing import Key
@@ -42,7 +43,7 @@ from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm import arrow_pool
-from dask_shm._core import ForgedHandleError, flush_deletes, read_peer_file
+from dask_shm._core import ForgedHandleError, MappedFile, flush_deletes, read_peer_file
 from dask_shm.config import byte_size, fraction, spill_limit
 from dask_shm.shared import limits, paths
 from dask_shm.shared.guard import ensure_value
@@ -60,9 +61,42 @@ class _Arrival:
     """A file received from a peer, backing a value not yet stored under a key."""
 
     name: str
-    value: weakref.ref[Any]
+    #: whether an object is the value that arrived (see :func:`_follow`)
+    is_value: Callable[[object], bool]
     finalizer: weakref.finalize
     size: int
+
+
+def _mappings_of(frames: Sequence[object]) -> list[weakref.ref[MappedFile]]:
+    """Weak references to the mappings that ``frames`` are views of."""
+    found = {id(f.obj): f.obj for f in frames if isinstance(f, memoryview)}
+    return [weakref.ref(m) for m in found.values() if isinstance(m, MappedFile)]
+
+
+def _follow(
+    value: object, mappings: Sequence[weakref.ref[MappedFile]], on_garbage: Callable[[], None]
+) -> tuple[Callable[[object], bool], weakref.finalize] | None:
+    """How to recognise ``value`` when it is stored, and a finalizer calling
+    ``on_garbage`` once it is garbage; None if it cannot be followed.
+
+    A weak-referenceable value (an array, a frame) is followed itself. A dict,
+    tuple or list of arrays (what dask's reductions pass on: ``mean_chunk``
+    returns a dict) is not weak-referenceable; it is followed through the
+    mapping among ``mappings`` that it keeps alive, which dies with it, and
+    recognised by identity and type while that mapping lives, as the store
+    recognises a retained value by identity."""
+    try:
+        ref = weakref.ref(value)
+    except TypeError:
+        pass
+    else:
+        return (lambda v: ref() is v), weakref.finalize(value, on_garbage)
+    alive = [m for m in (r() for r in mappings) if m is not None]
+    if not alive:
+        return None
+    value_id, value_type = id(value), type(value)
+    finalizer = weakref.finalize(alive[0], on_garbage)
+    return (lambda v: finalizer.alive and id(v) == value_id and type(v) is value_type), finalizer
 
 
 def _abandoned(buffer_ref: weakref.ref[SharedSpillBuffer], stem: str, name: str) -> None:
@@ -435,10 +469,15 @@ class SharedSpillBuffer(SpillBuffer):
                 raise
             except OSError as e:
                 return self._copy_in(handle, e)
+            mappings: list[weakref.ref[MappedFile]] = []
+
+            def read() -> object:
+                frames = store.map_file(name)
+                mappings.extend(_mappings_of(frames))
+                return frames_to_object(frames)
+
             try:
-                value, backed = read_tracking_mapping(
-                    lambda: frames_to_object(store.map_file(name))
-                )
+                value, backed = read_tracking_mapping(read)
             except OSError as e:
                 # Out of mappings (vm.max_map_count) or similar: degrade to a copy.
                 try:
@@ -456,22 +495,24 @@ class SharedSpillBuffer(SpillBuffer):
                 self.shm_counters["received_private_copies"] += 1
                 return value
             try:
-                finalizer = weakref.finalize(
-                    value, _abandoned, weakref.ref(self), handle.stem, name
+                followed = _follow(
+                    value,
+                    mappings,
+                    functools.partial(_abandoned, weakref.ref(self), handle.stem, name),
                 )
-                ref = weakref.ref(value)
-            except TypeError:
-                # Not weak-referenceable: it cannot be told apart when stored,
-                # so it stays a private value over its mapping (the mapping keeps
-                # the pages alive; the link goes now).
-                store.drop_file(name)
-                return value
             except BaseException:
                 store.drop_file(name)
                 raise
+            if followed is None:
+                # Neither the value nor its mapping can be followed: it stays
+                # a private value over its mapping (the mapping keeps the pages
+                # alive; the link goes now).
+                store.drop_file(name)
+                return value
+            is_value, finalizer = followed
             store.pin_file(name)
             self._arrivals.setdefault(handle.stem, []).append(
-                _Arrival(name, ref, finalizer, handle.size)
+                _Arrival(name, is_value, finalizer, handle.size)
             )
         context_meter.digest_metric("shm-receive-link", 1, "count")
         context_meter.digest_metric("shm-receive-link", handle.size, "bytes")
@@ -499,7 +540,7 @@ class SharedSpillBuffer(SpillBuffer):
         if not waiting:
             return None
         for i, a in enumerate(waiting):
-            if a.value() is value:
+            if a.is_value(value):
                 a.finalizer.detach()
                 del waiting[i]
                 if not waiting:
