@@ -75,6 +75,40 @@ def test_a_key_reaches_a_sibling_by_hard_link(shm_cluster):
     del x, total
 
 
+def reduction_part(i: int) -> dict[str, np.ndarray]:
+    """What dask's ``mean_chunk`` returns: a dict (not weak-referenceable)."""
+    return {"n": np.full(1, 1.0), "total": np.full(MB // 8, float(i))}
+
+
+def combined(*parts: dict[str, np.ndarray]) -> float:
+    return float(sum(float(p["total"].sum()) for p in parts))
+
+
+def test_reduction_parts_received_by_link_are_kept_by_their_link(shm_cluster):
+    """Dicts of arrays made on one worker and combined on the other (a
+    reduction's intermediates) arrive by hard link and stay backed by it:
+    every link sent is kept by the receiver, none falls back to a private
+    copy over a mapping that nobody's share would count."""
+    client = shm_cluster
+    a, b = two_workers(client)
+    before = client.run(shm_metrics)
+    parts = [client.submit(reduction_part, i, workers=[a], key=f"part-{i}") for i in range(8)]
+    total = client.submit(combined, *parts, workers=[b], key="part-total")
+    assert total.result() == sum(float(i) * (MB // 8) for i in range(8))
+    after = client.run(shm_metrics)
+    sent = after[a]["link_transfers"] - before[a]["link_transfers"]
+    kept = after[b]["received_links"] - before[b]["received_links"]
+    assert sent == 8 and kept == 8, (before, after)
+    held = client.run(
+        lambda dask_worker: [
+            k for k in dask_worker.data.store.retained if str(k).startswith("part-")
+        ],
+        workers=[b],
+    )[b]
+    assert sorted(held) == sorted(p.key for p in parts)
+    del parts, total
+
+
 def test_a_client_on_the_same_host_gets_real_values(shm_cluster):
     client = shm_cluster
     a, _ = two_workers(client)
