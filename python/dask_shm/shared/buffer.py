@@ -452,9 +452,10 @@ class SharedSpillBuffer(SpillBuffer):
         """The value a peer's handle names, backed by one validated hard link
         of its file in this buffer (tier of the file's root). Until the value
         is stored here under the key of ``handle.stem`` the file is an
-        *arrival*: deleted as soon as the value is garbage (fetch cancelled
-        or failed) or the buffer closes. A valid file that cannot be linked
-        or mapped is read by copy (the value is then private).
+        *arrival*: deleted as soon as the value (for a dict, tuple or list of
+        arrays: the mapping it holds) is garbage (fetch cancelled or failed)
+        or the buffer closes. A valid file that cannot be linked or mapped is
+        read by copy (the value is then private).
 
         Raises ForgedHandleError for a handle that fails validation (nothing
         linked or mapped), RuntimeError once the buffer is closed.
