@@ -271,6 +271,21 @@ def arrays_in(value: object) -> list[np.ndarray]:
     return [a for a in parts if isinstance(a, np.ndarray)]  # type: ignore[union-attr]
 
 
+def container_sent_by_link(
+    kind: str,
+) -> tuple[SharedSpillBuffer, SharedSpillBuffer, object]:
+    """A sender holding ``reduction_parts()[kind]`` under "x", a receiver,
+    and the value the receiver got by link (the handle's link deleted, as
+    the sender does after the handshake)."""
+    sender, receiver = shared_buffer(), shared_buffer()
+    sender["x"] = reduction_parts()[kind]
+    handle = sender.export("x")
+    assert handle is not None
+    value = transfer.receive(handle)
+    os.unlink(handle.path)
+    return sender, receiver, value
+
+
 @pytest.mark.parametrize("kind", ["dict", "tuple", "list"])
 def test_a_container_of_arrays_received_by_link_stays_shared(root, kind):
     """A dict, tuple or list of arrays (not weak-referenceable) is kept by
@@ -278,12 +293,7 @@ def test_a_container_of_arrays_received_by_link_stays_shared(root, kind):
     weigh on the receiver, its eviction writes nothing, and once the sender
     drops it the receiver's file still counts its pages (none are held by
     a mapping alone, which no worker's share would count)."""
-    sender, receiver = shared_buffer(), shared_buffer()
-    sender["x"] = reduction_parts()[kind]
-    handle = sender.export("x")
-    assert handle is not None
-    value = transfer.receive(handle)
-    os.unlink(handle.path)
+    sender, receiver, value = container_sent_by_link(kind)
     assert all(backed_by_mapping(a) for a in arrays_in(value) if a.nbytes >= MB // 2)
     receiver["x"] = value
     assert receiver.shm_counters["received_links"] == 1
@@ -309,12 +319,7 @@ def test_a_container_of_arrays_received_by_link_stays_shared(root, kind):
 def test_a_received_container_dropped_before_it_is_stored_leaves_no_file(root, kind):
     """A fetch cancelled after the value arrived: its file goes once the
     value (a container, not weak-referenceable) is garbage."""
-    sender, receiver = shared_buffer(), shared_buffer()
-    sender["x"] = reduction_parts()[kind]
-    handle = sender.export("x")
-    assert handle is not None
-    value = transfer.receive(handle)
-    os.unlink(handle.path)
+    _, receiver, value = container_sent_by_link(kind)
     assert receiver.pending_arrivals() == 1
     directory = store_of(receiver).directory
     assert len(os.listdir(directory)) == 1
