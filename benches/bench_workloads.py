@@ -8,7 +8,10 @@ of ``DASK_SHM_BENCH_WORKERS`` (default 2) worker processes x 1 thread x
 ``DASK_SHM_BENCH_WORKER_MEMORY`` (default 512 MiB), one BLAS/OpenMP thread
 per worker. Sizes follow the cluster's memory (times
 ``DASK_SHM_BENCH_SCALE``, default 1). Shared mode is switched on by config
-alone (preloads + ``shm.shared-memory.enabled``), as a user would. Timed:
+alone (preloads + ``shm.shared-memory.enabled``), as a user would; its
+root is dask config's (``DASK_SHM__SHARED_MEMORY__ROOT=/mnt/huge`` for a
+tmpfs mounted with ``huge=within_size``, where arrays born shared turn on
+by default). Timed:
 the computation (graph to result), not the cluster's start. Before each
 baseline the bench waits (at most 20 s) for the kernel's per-CPU free lists
 to stop shrinking, so that pages the previous run freed do not lower the
@@ -31,6 +34,8 @@ it goes, with the load average):
   mode frees tmpfs pages to the kernel, stock's heaps keep theirs);
 - ``loopback_bytes``: bytes sent on ``lo`` during the compute;
 - ``link_bytes``: bytes the workers handed over by hard link (0 for stock);
+- ``born_shared``: whether the workers allocate arrays born shared
+  (False for stock);
 - ``result`` and ``equal_to_stock`` (the same number as stock's run of the
   same round, checked: a differing result fails the run; spilling's float sum
   to 1e-12: stock's spilled chunks come back unaligned and numpy sums those in
@@ -60,6 +65,7 @@ from workloads import WORKLOADS  # noqa: E402
 
 from dask_shm.procmem import per_cpu_free_bytes  # noqa: E402
 from dask_shm.shared import shm_metrics  # noqa: E402
+from dask_shm.shared.born import stats as born_stats  # noqa: E402
 
 WORKERS = int(os.environ.get("DASK_SHM_BENCH_WORKERS", "2"))
 WORKER_MEMORY = parse_bytes(os.environ.get("DASK_SHM_BENCH_WORKER_MEMORY", "512 MiB"))
@@ -169,6 +175,10 @@ def _link_bytes(dask_worker: Any) -> float:
     return shm_metrics(dask_worker)["link_bytes"]
 
 
+def _born_shared() -> bool:
+    return born_stats()["directory"] is not None
+
+
 def cluster_config(impl: str) -> dict[str, Any]:
     import distributed  # noqa: F401  (loads distributed's config defaults)
 
@@ -199,6 +209,7 @@ def test_workload(benchmark: Any, workload: str, round_: int, impl: str) -> None
     ) as client:
         kinds = set(client.run(lambda dask_worker: type(dask_worker.data).__name__).values())
         assert kinds == {"SharedSpillBuffer" if impl == "ours" else "SpillBuffer"}, kinds
+        born = all(client.run(_born_shared).values())
         gc.collect()
         time.sleep(0.5)  # let the workers' start settle before the baseline
         settle_percpu_free()
@@ -221,6 +232,7 @@ def test_workload(benchmark: Any, workload: str, round_: int, impl: str) -> None
         "host_less_percpu_bytes": host - figures["percpu_free_bytes"],
         "loopback_bytes": loopback,
         "link_bytes": int(link),
+        "born_shared": born,
         "result": result,
         "load_average": round(os.getloadavg()[0], 1),
     }
@@ -239,7 +251,7 @@ def test_workload(benchmark: Any, workload: str, round_: int, impl: str) -> None
         f"  dirty {mib['dirty_bytes']:4.0f}  pcp {mib['percpu_free_bytes']:5.0f}"
         f"  outside {mib['outside_bytes']:5.0f}  host-pcp {mib['host_less_percpu_bytes']:6.0f}"
         f"  lo {mib['loopback_bytes']:6.0f}  link {mib['link_bytes']:6.0f} MiB"
-        f"  equal {info.get('equal_to_stock', '-')}  load {info['load_average']}"
+        f"  equal {info.get('equal_to_stock', '-')}  born {born}  load {info['load_average']}"
     )
     if impl == "ours":
         assert info["equal_to_stock"] is not False, (workload, result, stock)
