@@ -315,6 +315,34 @@ def test_a_container_of_arrays_received_by_link_stays_shared(root, kind):
         np.testing.assert_array_equal(a, b)
 
 
+def total_of(value: object) -> np.ndarray:
+    """The large array of a :func:`reduction_parts` value."""
+    return value["total"] if isinstance(value, dict) else value[0]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_a_received_container_written_in_place_keeps_the_write_as_in_stock(root, kind):
+    """A task that writes into an array of a received container: the
+    receiver still sees the write after the value was evicted and read back
+    (its file no longer holds the value, so eviction writes it anew), the
+    sender's value is untouched, and a third worker gets the written value."""
+    sender, receiver, value = container_sent_by_link(kind)
+    receiver["x"] = value
+    total_of(value)[0] = 99.0
+    receiver.fast.evict("x")
+    del value
+    assert total_of(receiver["x"])[0] == 99.0
+    assert total_of(sender["x"])[0] == 0.0
+    handle = receiver.export("x")
+    assert handle is not None
+    third = shared_buffer()  # receives the handles from now on
+    got = transfer.receive(handle)
+    os.unlink(handle.path)
+    assert total_of(got)[0] == 99.0
+    third["x"] = got
+    assert third.shm_counters["received_links"] == 1
+
+
 @pytest.mark.parametrize("kind", ["dict", "tuple"])
 def test_a_received_container_dropped_before_it_is_stored_leaves_no_file(root, kind):
     """A fetch cancelled after the value arrived: its file goes once the
