@@ -44,3 +44,67 @@ async def test_values_that_are_pickled_objects_travel_as_bytes(c, s, a, b):
     assert a.data.shm_counters["link_transfers"] == 1
     plugins[0].teardown(a)
     plugins[1].teardown(b)
+
+
+#: The activities stock reports for the fetches below (each message is under
+#: ``distributed.comm.offload``, so no ``offload``).
+STOCK_GET_DATA = {"memory-read", "serialize", "compress", "network"}
+
+
+def _get_data_activities(worker) -> set[str]:
+    return {k[1] for k in worker.digests_total if k[0] == "get-data"}
+
+
+#: No replica dropped behind the test's back.
+NO_AMM = {"distributed.scheduler.active-memory-manager.start": False}
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1), ("", 1)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config=NO_AMM,
+)
+async def test_a_value_not_worth_sharing_is_sent_as_in_stock(c, s, a, b):
+    """A value a same-host peer fetches but that is not worth sharing (small,
+    or pickled Python objects) stays in the sender's memory, unwritten, and
+    the fetch reports stock's fine metrics: no spill, no activity of ours."""
+    plugins = [SharedMemoryPlugin(), SharedMemoryPlugin()]
+    await plugins[0].setup(a)
+    await plugins[1].setup(b)
+    made = {
+        "small": c.submit(lambda: 2, workers=[a.address], key="small"),
+        "strings": c.submit(
+            lambda: [str(i) for i in range(50_000)], workers=[a.address], key="strings"
+        ),
+    }
+    used = [c.submit(lambda v: v == 2 or len(v), x, workers=[b.address]) for x in made.values()]
+    assert await c.gather(used) == [True, 50_000]
+    for key in made:
+        assert key in a.data.fast, key
+        assert a.data.store.file_of(key) is None, key
+    assert a.data.shm_counters["fallback_transfers"] == 2
+    assert a.data.shm_counters["link_transfers"] == 0
+    assert _get_data_activities(a) == STOCK_GET_DATA, a.digests_total
+    # An array is still handed over by link, out of the sender's memory.
+    y = c.submit(make_array, 4 * MB, workers=[a.address], key="array")
+    assert await c.submit(lambda v: v.size, y, workers=[b.address]) == MB // 2
+    assert a.data.shm_counters["link_transfers"] == 1
+    assert "array" not in a.data.fast
+    assert "shm-send-link" in _get_data_activities(a)
+    plugins[0].teardown(a)
+    plugins[1].teardown(b)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1), ("", 1)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config=NO_AMM,
+)
+async def test_stock_get_data_activities(c, s, a, b):
+    """What the test above holds shared mode to: stock's own activities for
+    the same fetches."""
+    x = c.submit(lambda: [str(i) for i in range(50_000)], workers=[a.address], key="strings")
+    assert await c.submit(len, x, workers=[b.address]) == 50_000
+    assert _get_data_activities(a) == STOCK_GET_DATA

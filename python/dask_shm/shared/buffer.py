@@ -424,7 +424,8 @@ class SharedSpillBuffer(SpillBuffer):
         """Make sure ``key`` is in a file and return a handle for a peer on
         this host (a fresh hard link the caller deletes once the peer has
         linked it). A value held privately in memory is written out and
-        leaves memory (its next use maps the file). Returns None when the
+        leaves memory (its next use maps the file) if it is worth sharing;
+        one that is not stays as it is, unwritten. Returns None when the
         key is absent, the value is not worth sharing, its file is in a tier
         whose number is not in ``tiers`` (default: any linkable tier; the peer
         does not share that root; a value in memory is written out only when
@@ -438,7 +439,8 @@ class SharedSpillBuffer(SpillBuffer):
                         first = store.tiers.tiers[0].number
                         if key not in self.fast or (tiers is not None and first not in tiers):
                             return None
-                        store[key] = self.fast.d[key]
+                        if not store.write(key, self.fast.d[key], only_shared=True):
+                            return None  # not worth sharing: it goes as bytes, as in stock
                         del self.fast[key]
                         # The private copy is gone (unless a task still holds
                         # it): pyarrow's pool would keep its pages.

@@ -148,6 +148,14 @@ class SharedSpillStore(SpillStore):
         return [pack_header(header), *frames], (shareable if share else None)
 
     def __setitem__(self, key: Key, value: object) -> None:
+        self.write(key, value)
+
+    def write(self, key: Key, value: object, *, only_shared: bool = False) -> bool:
+        """Write ``value`` to a file for ``key``, as ``store[key] = value``
+        does; returns whether it was written. With ``only_shared``, a value
+        not worth sharing (see ``min_size``) is not: it is serialized to tell,
+        and nothing else happens. Raises PickleError, MaxSpillExceeded or
+        OSError."""
         # An array born shared is already in a file: only its header is written.
         start = perf_counter()
         name = self.adopt_born(key, value)
@@ -158,8 +166,10 @@ class SharedSpillStore(SpillStore):
             self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
             self._private_cache.pop(key, None)
             self._register(key, name)
-            return
+            return True
         frames, shareable = self._prepare(key, value)
+        if only_shared and shareable is None:
+            return False
         name = self._write(key, frames, safe_sizeof(value))
         del frames
         arrow_pool.release_unused()  # serialization's temporary copies, if any
@@ -168,6 +178,7 @@ class SharedSpillStore(SpillStore):
             self.shareable[name] = shareable
         self._private_cache.pop(key, None)
         self._register(key, name)
+        return True
 
     def adopt_born(self, key: Key, value: object) -> str | None:
         """Turn ``value``'s block into this store's file for ``key`` without
