@@ -21,6 +21,7 @@ from dask_shm._core import (
     live_mappings,
     read_peer_file,
 )
+from dask_shm.config import spill_compression
 from dask_shm.shared import SharedSpillBuffer, paths, transfer
 from dask_shm.shared.payload import read_tracking_mapping
 from dask_shm.shared.store import Handle, SharedSpillStore
@@ -214,6 +215,41 @@ def test_pickled_objects_and_small_values_stay_private(root):
     assert len(os.listdir(buf.spill_directory)) == 1  # its file was deleted
     assert got[0] == "abc"
     assert buf.export("strings") is None
+
+
+@pytest.mark.parametrize("codec", ["zlib", "auto", False])
+def test_values_read_back_by_copy_are_spilled_compressed_as_in_stock(root, tmp_path, codec):
+    """``spill-compression`` applies to what shared mode reads back by copy
+    (pickled objects): the same bytes spilled as stock's SpillBuffer, the
+    same values back. Arrays are shared, so never compressed."""
+    from distributed.spill import SpillBuffer as StockSpillBuffer
+
+    values = {
+        "text": "x" * (8 * MB),
+        "objects": np.array([f"row {i % 100}" for i in range(100_000)], dtype=object),
+        "array": np.zeros(MB // 8),
+    }
+    with dask.config.set({"distributed.worker.memory.spill-compression": codec}):
+        ours = shared_buffer()
+        stock = StockSpillBuffer(str(tmp_path / "stock"), target=50 * MB)
+        compressing = bool(spill_compression())  # auto: lz4 if installed, else none
+    for buf in (ours, stock):
+        for key, value in values.items():
+            buf[key] = value
+        while buf.fast:
+            buf.evict()
+    for key in ("text", "objects"):
+        assert ours.store.weight_by_key[key].disk == pytest.approx(
+            stock.slow.data.weight_by_key[key].disk, rel=0.01, abs=1024
+        ), key
+    if compressing:
+        assert ours.store.weight_by_key["text"].disk < MB
+    assert ours.store.weight_by_key["array"].disk >= MB  # shared: written as it is
+    assert store_of(ours).shareable.keys() == {ours.store.filenames["array"]}
+    assert ours["text"] == values["text"]
+    assert (ours["objects"] == values["objects"]).all()
+    assert backed_by_mapping(ours["array"])
+    ours.close()
 
 
 def test_mapping_limit_degrades_to_copies(root):

@@ -21,12 +21,13 @@ from urllib.parse import quote
 import msgpack
 from dask.typing import Key
 from distributed.metrics import context_meter
-from distributed.protocol.compression import decompress
+from distributed.protocol.compression import decompress, maybe_compress
 from distributed.protocol.serialize import (
     merge_and_deserialize,
     serialize,
     serialize_bytelist,
 )
+from distributed.protocol.utils import frame_split_size
 from distributed.sizeof import safe_sizeof
 from distributed.spill import PickleError, SpilledSize
 
@@ -121,6 +122,37 @@ def serialize_unsplit(
     return header, frames
 
 
+def compress_frames(header: dict, frames: list, compression: str) -> tuple[dict, list]:
+    """``serialize_unsplit``'s ``header`` and ``frames`` as stock's
+    ``serialize_bytelist`` lays them out with ``compression``: every frame cut
+    into shards of ``distributed.comm.shard`` bytes, each shard compressed
+    where that shrinks it enough (``maybe_compress``). What a stock spill
+    file holds, for a value that will be read back by copy anyway;
+    ``frames_to_object`` reads both layouts."""
+    num_sub_frames: list[int] = []
+    offsets: list[int] = []
+    shards: list[Any] = []
+    for frame in frames:
+        sub = frame_split_size(frame)
+        num_sub_frames.append(len(sub))
+        offsets.append(len(shards))
+        shards.extend(sub)
+    codecs: list[str | None] = []
+    compressed: list[Any] = []
+    for shard in shards:
+        codec, out = maybe_compress(shard, compression=compression)
+        codecs.append(codec)
+        compressed.append(out)
+    header = {
+        **header,
+        "split-num-sub-frames": tuple(num_sub_frames),
+        "split-offsets": tuple(offsets),
+        "compression": tuple(codecs),
+        "count": len(compressed),
+    }
+    return header, compressed
+
+
 def frames_to_object(frames: list[memoryview]) -> object:
     """Deserialize frames laid out as ``[msgpack header, *payload frames]``."""
     header = msgpack.loads(frames[0], raw=False, use_list=False) if frames[0] else {}
@@ -212,9 +244,10 @@ class SpillStore(MutableMapping[Key, object]):
         unspill through a private mapping; ``recycle_bytes``: bytes of removed
         entries' files kept for reuse in a directory opened here (never when
         ``mapped``); ``compression``: the name of the distributed codec that
-        compresses the frames (``"lz4"``, ``"zlib"``, ...; None: none; unused
-        when ``mapped``, whose frames are mapped as written; see
-        :func:`dask_shm.config.spill_compression`). Raises OSError if a
+        compresses the frames (``"lz4"``, ``"zlib"``, ...; None: none; see
+        :func:`dask_shm.config.spill_compression`; unused when ``mapped``,
+        whose frames are mapped as written, but subclasses that read some
+        values by copy may use it for those). Raises OSError if a
         directory cannot be made."""
         if isinstance(files, (str, os.PathLike)):
             # Recycling overwrites files of removed entries (recycle_bytes of them

@@ -168,6 +168,7 @@ class SharedSpillBuffer(SpillBuffer):
         max_spill: int | str | Literal[False] = False,
         name: str | None = None,
         max_mapped: int | None = None,
+        compression: str | None = None,
     ) -> SharedSpillBuffer:
         """A buffer whose files live in ``<root>/dask-shm-<uid>/<process>/<name>``
         (tier 2, at most ``budget`` bytes) and the same path under
@@ -175,7 +176,9 @@ class SharedSpillBuffer(SpillBuffer):
         mappings (default: :func:`~dask_shm.shared.store.mapped_values_bound`).
         ``target``, ``budget``, ``min_size`` and ``max_spill`` are byte sizes
         (an int or a string such as ``"1GiB"``; ``max_spill`` may be False),
-        ``min_shared_fraction`` is in [0, 1].
+        ``min_shared_fraction`` is in [0, 1]. Values not worth sharing are
+        compressed with ``compression`` (a distributed codec name; None:
+        none) when spilled, as stock's spilling does.
 
         Raises TypeError or ValueError naming the parameter for a bad value,
         :class:`~dask_shm.shared.paths.UnusableRoot` if ``root`` is not a
@@ -192,6 +195,7 @@ class SharedSpillBuffer(SpillBuffer):
             max_spill=max_spill,
             name=name,
             max_mapped=max_mapped,
+            compression=compression,
         )
 
     @classmethod
@@ -206,6 +210,7 @@ class SharedSpillBuffer(SpillBuffer):
         max_spill: int | str | Literal[False] = False,
         name: str | None = None,
         max_mapped: int | None = None,
+        compression: str | None = None,
     ) -> SharedSpillBuffer:
         """:meth:`create` on the file tiers ``specs`` (see
         :func:`~dask_shm.shared.tiers.tier_specs`) within ``budgets`` (bytes
@@ -226,6 +231,7 @@ class SharedSpillBuffer(SpillBuffer):
             min_size=min_size,
             min_shared_fraction=min_shared_fraction,
             metrics=defaultdict(float),
+            compression=compression,
         )
         return cls(store, target, max_mapped=max_mapped)
 
@@ -239,9 +245,10 @@ class SharedSpillBuffer(SpillBuffer):
         name: str | None = None,
     ) -> SharedSpillBuffer:
         """:meth:`create` with ``shm.shared-memory.*`` settings (the budget
-        from ``max-bytes`` and ``memory_limit``). Raises ValueError for an
-        invalid setting, UnusableRoot for an unusable root."""
-        from dask_shm.config import SharedMemorySettings
+        from ``max-bytes`` and ``memory_limit``) and distributed's
+        ``spill-compression``. Raises ValueError for an invalid setting,
+        UnusableRoot for an unusable root."""
+        from dask_shm.config import SharedMemorySettings, spill_compression
 
         settings = SharedMemorySettings.from_config()
         budget = limits.tier2_budget(settings.max_bytes, settings.root, memory_limit)
@@ -254,6 +261,7 @@ class SharedSpillBuffer(SpillBuffer):
             min_shared_fraction=settings.min_shared_fraction,
             max_spill=max_spill,
             name=name,
+            compression=spill_compression(),
         )
 
     # -- public face -------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from dask.utils import format_bytes
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
-from dask_shm.config import SharedMemorySettings
+from dask_shm.config import SharedMemorySettings, spill_compression
 from dask_shm.shared import (
     born_worker,
     fetches,
@@ -119,6 +119,8 @@ class SharedMemoryPlugin(WorkerPlugin):
                 min_shared_fraction=settings.min_shared_fraction,
                 max_spill=worker.memory_manager.max_spill,
                 name=f"w-{uuid.uuid4().hex[:12]}",
+                # read here, as stock's SpillBuffer does when it is built
+                compression=spill_compression(),
             )
         except (paths.UnusableRoot, OSError) as e:
             logger.warning("dask-shm: %s; this worker spills privately", e)

@@ -29,6 +29,7 @@ from time import perf_counter
 from typing import Literal
 
 from dask.typing import Key
+from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm import arrow_pool
@@ -40,6 +41,7 @@ from dask_shm.spill_store import (
     MaxSpillExceeded,
     PickleError,
     SpillStore,
+    compress_frames,
     file_stem,
     pack_header,
     serialize_unsplit,
@@ -109,12 +111,16 @@ class SharedSpillStore(SpillStore):
         min_size: int,
         min_shared_fraction: float,
         metrics: defaultdict[tuple[str, str], float] | None = None,
+        compression: str | None = None,
     ):
         """Files go to ``tiers`` (see :mod:`dask_shm.shared.tiers`), at most
         ``max_weight`` bytes in all; a value is shared (unspilled through a
         mapping, handed to peers by link) when its payload is at least
-        ``min_size`` bytes and ``min_shared_fraction`` of its file."""
-        super().__init__(tiers, max_weight, metrics=metrics, mapped=True)
+        ``min_size`` bytes and ``min_shared_fraction`` of its file. A value
+        that is not (read back by copy, as in stock) is compressed with
+        ``compression`` (a distributed codec name, e.g. ``"lz4"``; None:
+        none), as stock compresses what it spills."""
+        super().__init__(tiers, max_weight, metrics=metrics, mapped=True, compression=compression)
         #: where each file lives (see :mod:`dask_shm.shared.tiers`)
         self.tiers = tiers
         #: the first tier's root (the shared-memory root)
@@ -145,7 +151,12 @@ class SharedSpillStore(SpillStore):
         except Exception as e:
             raise PickleError(key) from e
         share, shareable = worth_sharing(header, frames, self.min_size, self.min_shared_fraction)
-        return [pack_header(header), *frames], (shareable if share else None)
+        if share:
+            return [pack_header(header), *frames], shareable
+        if self._compression:
+            with context_meter.add_callback(self._record):  # stock's compress meter
+                header, frames = compress_frames(header, frames, self._compression)
+        return [pack_header(header), *frames], None
 
     def __setitem__(self, key: Key, value: object) -> None:
         self.write(key, value)
