@@ -47,7 +47,7 @@ def spilled_by_span(found: dict[str, object]) -> dict[str, float]:
     """span_id -> bytes spilled, from the scheduler's span spill series."""
     return {
         dict(labels)["span_id"]: v
-        for (_, labels), v in samples(found["dask_scheduler_span_spill_bytes"]).items()
+        for (_, labels), v in samples(found["dask_shm_scheduler_span_spill_bytes"]).items()
         if dict(labels)["direction"] == "spill"
     }
 
@@ -106,8 +106,8 @@ async def test_finished_spans_are_folded_into_one_series(c: Client, s: Scheduler
     after = spilled_by_span(found)
     assert not set(spans_ids) & set(after)
     assert after[FOLDED] == pytest.approx(sum(per_span[i] for i in spans_ids))
-    assert found["dask_scheduler_span_spill_bytes"].type == "counter"  # type: ignore[attr-defined]
-    assert found["dask_scheduler_span_memory_bytes"].type == "gauge"  # type: ignore[attr-defined]
+    assert found["dask_shm_scheduler_span_spill_bytes"].type == "counter"  # type: ignore[attr-defined]
+    assert found["dask_shm_scheduler_span_memory_bytes"].type == "gauge"  # type: ignore[attr-defined]
 
     # The worker folds the same spans once their counters stop changing.
     with dask.config.set({"shm.prometheus.span-retention": 0}):
@@ -115,7 +115,7 @@ async def test_finished_spans_are_folded_into_one_series(c: Client, s: Scheduler
         found = families(await fetch(a.http_server.port))
     worker_spill = {
         dict(labels)["span_id"]
-        for (name, labels), v in samples(found["dask_worker_span_spill_bytes"]).items()
+        for (name, labels), v in samples(found["dask_shm_worker_span_spill_bytes"]).items()
     }
     assert FOLDED in worker_spill and not set(spans_ids) & worker_spill
 
@@ -143,19 +143,19 @@ def test_idle_spans_fold_after_the_retention_and_stay_folded():
 # --- shared-memory series -----------------------------------------------------------
 
 COUNTERS = {
-    "link_transfers": "dask_worker_shm_link_transfers",
-    "link_bytes": "dask_worker_shm_link_bytes",
-    "fallback_transfers": "dask_worker_shm_fallback_transfers",
-    "fallback_bytes": "dask_worker_shm_fallback_bytes",
-    "received_links": "dask_worker_shm_received_links",
-    "received_bytes": "dask_worker_shm_received_bytes",
-    "adopt_failures": "dask_worker_shm_adopt_failures",
-    "receive_fallback_transfers": "dask_worker_shm_receive_fallback_transfers",
-    "degraded_reads": "dask_worker_shm_degraded_reads",
+    "link_transfers": "dask_shm_worker_link_transfers",
+    "link_bytes": "dask_shm_worker_link_bytes",
+    "fallback_transfers": "dask_shm_worker_fallback_transfers",
+    "fallback_bytes": "dask_shm_worker_fallback_bytes",
+    "received_links": "dask_shm_worker_received_links",
+    "received_bytes": "dask_shm_worker_received_bytes",
+    "adopt_failures": "dask_shm_worker_adopt_failures",
+    "receive_fallback_transfers": "dask_shm_worker_receive_fallback_transfers",
+    "degraded_reads": "dask_shm_worker_degraded_reads",
 }
 GAUGES = {
-    "shared_bytes": "dask_worker_shm_shared_bytes",
-    "retained_keys": "dask_worker_shm_retained_keys",
+    "shared_bytes": "dask_shm_worker_shared_bytes",
+    "retained_keys": "dask_shm_worker_retained_keys",
 }
 
 
@@ -189,7 +189,7 @@ def test_shared_memory_series_are_counters_and_gauges_named_like_distributeds(sh
         assert family.type == "gauge", name  # type: ignore[attr-defined]
         assert samples(family) == {(name, (("worker", a),)): figures[figure]}
     # Units as distributed spells them: bytes series end in _bytes (_bytes_total).
-    assert {"dask_worker_shm_link_bytes_total"} <= {
+    assert {"dask_shm_worker_link_bytes_total"} <= {
         s.name
         for f in found.values()
         for s in f.samples  # type: ignore[attr-defined]
@@ -205,6 +205,6 @@ def test_shared_memory_series_follow_the_configured_namespace(shm_client):
             return await scrape(dask_worker)
 
     found = families(client.run(scrape_with_namespace, workers=[a])[a])
-    assert "acme_worker_shm_link_bytes" in found
-    assert found["acme_worker_shm_link_bytes"].type == "counter"  # type: ignore[attr-defined]
-    assert not any(name.startswith("dask_worker_shm_") for name in found)
+    assert "acme_shm_worker_link_bytes" in found
+    assert found["acme_shm_worker_link_bytes"].type == "counter"  # type: ignore[attr-defined]
+    assert not any(name.startswith("dask_shm_worker_") for name in found)

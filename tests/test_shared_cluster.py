@@ -186,7 +186,7 @@ def test_metrics_reach_get_metrics_and_prometheus(shm_cluster):
 
         return prometheus_client.generate_latest().decode()
 
-    assert "dask_worker_shm_link_bytes" in client.run(exposition)[a]
+    assert "dask_shm_worker_link_bytes" in client.run(exposition)[a]
 
 
 def test_a_killed_worker_leaves_no_files_after_the_nanny_restarts_it(shm_cluster):

@@ -525,20 +525,20 @@ async def test_prometheus_metrics(c: Client, s: Scheduler, a: Worker):
     (sp,) = s.extensions["spans"].find_by_tags("prom")
 
     text = await fetch_metrics(s.http_server.port)
-    mem = samples(text, "dask_scheduler_span_memory_bytes")
+    mem = samples(text, "dask_shm_scheduler_span_memory_bytes")
     labels = (("span", "prom"), ("span_id", sp.id))
     for field in SpanMemory._fields:
         assert mem[tuple(sorted((*labels, ("type", field))))] == getattr(sp.own_held, field)
     assert mem[tuple(sorted((*labels, ("type", "spilled_disk"))))] == measured["spilled_disk"]
-    spill = samples(text, "dask_scheduler_span_spill_bytes_total")
+    spill = samples(text, "dask_shm_scheduler_span_spill_bytes_total")
     assert (
         spill[tuple(sorted((*labels, ("direction", "spill"))))] == sp.spill_metrics["spill_bytes"]
     )
     assert spill[tuple(sorted((*labels, ("direction", "spill"))))] > 0
 
     text = await fetch_metrics(a.http_server.port)
-    mem = samples(text, "dask_worker_span_memory_bytes")
+    mem = samples(text, "dask_shm_worker_span_memory_bytes")
     assert mem[(("span_id", sp.id), ("type", "memory"))] == measured["memory"]
     assert mem[(("span_id", sp.id), ("type", "spilled_disk"))] == measured["spilled_disk"]
-    spill = samples(text, "dask_worker_span_spill_bytes_total")
+    spill = samples(text, "dask_shm_worker_span_spill_bytes_total")
     assert spill[(("direction", "spill"), ("span_id", sp.id))] > 0

@@ -1,6 +1,6 @@
 """Shared-memory figures of a worker: ``shm_metrics``, the worker's
 ``get_metrics()`` (key ``"shm"``, which reaches the scheduler in heartbeats)
-and Prometheus series ``<namespace>_worker_shm_*`` on the worker's
+and Prometheus series ``<namespace>_shm_worker_*`` on the worker's
 ``/metrics`` page, named as distributed names its own (namespace from
 ``distributed.dashboard.prometheus.namespace``, ``dask`` by default):
 
@@ -176,7 +176,7 @@ _lock = threading.Lock()
 class Series(NamedTuple):
     """How one figure of :func:`shm_metrics` is exported to Prometheus."""
 
-    #: Name after ``<namespace>_worker_shm_``, without the unit and ``_total``.
+    #: Name after ``<namespace>_shm_worker_``, without the unit and ``_total``.
     name: str
     kind: Literal["gauge", "counter"]
     #: Unit suffix as distributed uses them ("bytes", "seconds") or "".
@@ -205,10 +205,12 @@ SERIES: dict[str, Series] = {
 
 
 def metric_name(series: Series) -> str:
-    """``<namespace>_worker_shm_<name>``, as distributed's collectors build
-    names (an empty namespace gives ``worker_shm_<name>``); prometheus_client
-    appends the unit and ``_total``."""
-    return "_".join(p for p in (prometheus_namespace(), "worker", "shm", series.name) if p)
+    """``<namespace>_shm_worker_<name>``: built as distributed's collectors
+    build names (an empty namespace gives ``shm_worker_<name>``), under our
+    own ``shm`` prefix so that distributed's ``<namespace>_worker_*`` family
+    stays exactly stock's; prometheus_client appends the unit and
+    ``_total``."""
+    return "_".join(p for p in (prometheus_namespace(), "shm", "worker", series.name) if p)
 
 
 class _Collector:

@@ -55,7 +55,7 @@ class SharedMemoryPlugin(WorkerPlugin):
     monitor count private memory plus the worker's 1/k share of its tmpfs
     files (tier 2, within a budget from ``shm.shared-memory.max-bytes``; one
     warning if the root is too small); publishes metrics (``get_metrics()["shm"]``, Prometheus
-    ``dask_worker_shm_*``). On teardown (worker closing) it undoes that and
+    ``dask_shm_worker_*``). On teardown (worker closing) it undoes that and
     deletes the worker's files (links held by peers keep their data alive).
 
     Raises ValueError at setup for an invalid ``shm.shared-memory.*`` value.

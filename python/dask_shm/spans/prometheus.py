@@ -10,19 +10,19 @@ figures appear on that server's ``/metrics`` page:
 Scheduler (own figures of each span, so that they add up over spans; spans with
 nothing to report are left out):
 
-- ``<ns>_scheduler_span_memory_bytes{span, span_id, type}``: gauge, ``type`` one of
+- ``<ns>_shm_scheduler_span_memory_bytes{span, span_id, type}``: gauge, ``type`` one of
   ``memory``, ``spilled``, ``spilled_disk``, ``shared`` (see
   :class:`dask_shm.spans.SpanMemory`);
-- ``<ns>_scheduler_span_spill_bytes_total{span, span_id, direction}`` and
-  ``<ns>_scheduler_span_spill_seconds_total{...}``: counters, ``direction`` one of
+- ``<ns>_shm_scheduler_span_spill_bytes_total{span, span_id, direction}`` and
+  ``<ns>_shm_scheduler_span_spill_seconds_total{...}``: counters, ``direction`` one of
   ``spill`` (written to disk) and ``unspill`` (read back).
 
 Worker (what this worker holds / has spilled, per span id; keys that have no span on
 the worker are reported with ``span_id=""``):
 
-- ``<ns>_worker_span_memory_bytes{span_id, type}``;
-- ``<ns>_worker_span_spill_bytes_total{span_id, direction}`` and
-  ``<ns>_worker_span_spill_seconds_total{...}``.
+- ``<ns>_shm_worker_span_memory_bytes{span_id, type}``;
+- ``<ns>_shm_worker_span_spill_bytes_total{span_id, direction}`` and
+  ``<ns>_shm_worker_span_spill_seconds_total{...}``.
 
 ``<ns>`` is ``distributed.dashboard.prometheus.namespace`` (``dask`` by default),
 as for distributed's own series.
@@ -102,7 +102,10 @@ def retention() -> float:
 
 
 def _name(subsystem: str, name: str) -> str:
-    return "_".join(p for p in (prometheus_namespace(), subsystem, name) if p)
+    """``<ns>_shm_<subsystem>_<name>``: under our own ``shm`` prefix, so that
+    distributed's ``<ns>_scheduler_*`` and ``<ns>_worker_*`` families stay
+    exactly stock's."""
+    return "_".join(p for p in (prometheus_namespace(), "shm", subsystem, name) if p)
 
 
 def _sum_into(total: dict[str, float], figures: dict[str, float]) -> None:
