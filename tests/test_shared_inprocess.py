@@ -55,16 +55,16 @@ def _get_data_activities(worker) -> set[str]:
     return {k[1] for k in worker.digests_total if k[0] == "get-data"}
 
 
-#: No replica dropped behind the test's back.
-NO_AMM = {"distributed.scheduler.active-memory-manager.start": False}
-
-
-@gen_cluster(
+#: Two workers of one thread, and no replica dropped behind the test's back.
+two_workers_no_amm = gen_cluster(
     client=True,
     nthreads=[("", 1), ("", 1)],
     worker_kwargs={"memory_limit": "1 GiB"},
-    config=NO_AMM,
+    config={"distributed.scheduler.active-memory-manager.start": False},
 )
+
+
+@two_workers_no_amm
 async def test_a_value_not_worth_sharing_is_sent_as_in_stock(c, s, a, b):
     """A value a same-host peer fetches but that is not worth sharing (small,
     or pickled Python objects) stays in the sender's memory, unwritten, and
@@ -96,12 +96,7 @@ async def test_a_value_not_worth_sharing_is_sent_as_in_stock(c, s, a, b):
     plugins[1].teardown(b)
 
 
-@gen_cluster(
-    client=True,
-    nthreads=[("", 1), ("", 1)],
-    worker_kwargs={"memory_limit": "1 GiB"},
-    config=NO_AMM,
-)
+@two_workers_no_amm
 async def test_stock_get_data_activities(c, s, a, b):
     """What the test above holds shared mode to: stock's own activities for
     the same fetches."""
