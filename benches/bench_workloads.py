@@ -18,8 +18,9 @@ to stop shrinking, so that pages the previous run freed do not lower the
 next run's figures.
 
 Those lists make single runs noisy: Linux 6.7+ lets each CPU's list grow
-with its traffic (up to 632 MiB per CPU on the 2-core dev box), ``MemAvailable`` does not
-count their pages, and a run's peak can catch them full or empty. As root,
+with its traffic (up to 632 MiB per CPU on the 2-core dev box),
+``MemAvailable`` does not count their pages, and a run's peak can catch them
+full or empty. As root,
 ``DASK_SHM_BENCH_PCP_HIGH_FRACTION=100000`` sets
 ``vm.percpu_pagelist_high_fraction`` to that for the bench (lists of a few
 hundred pages, not auto-tuned) and restores it afterwards: the outside

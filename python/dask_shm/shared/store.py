@@ -143,20 +143,16 @@ class SharedSpillStore(SpillStore):
 
     # -- writing -------------------------------------------------------------
 
-    def _prepare(self, key: Key, value: object) -> tuple[list, int | None]:
-        """File frames for ``value`` and its shareable bytes (None when the
-        value should stay private). Raises PickleError."""
+    def _prepare(self, key: Key, value: object) -> tuple[dict, list, int | None]:
+        """``value`` serialized (header and frames, uncompressed) and its
+        shareable bytes (None when the value should stay private). Raises
+        PickleError."""
         try:
             header, frames = serialize_unsplit(value, self._digest)
         except Exception as e:
             raise PickleError(key) from e
         share, shareable = worth_sharing(header, frames, self.min_size, self.min_shared_fraction)
-        if share:
-            return [pack_header(header), *frames], shareable
-        if self._compression:
-            with context_meter.add_callback(self._record):  # stock's compress meter
-                header, frames = compress_frames(header, frames, self._compression)
-        return [pack_header(header), *frames], None
+        return header, frames, (shareable if share else None)
 
     def __setitem__(self, key: Key, value: object) -> None:
         self.write(key, value)
@@ -178,10 +174,14 @@ class SharedSpillStore(SpillStore):
             self._private_cache.pop(key, None)
             self._register(key, name)
             return True
-        frames, shareable = self._prepare(key, value)
-        if only_shared and shareable is None:
-            return False
-        name = self._write(key, frames, safe_sizeof(value))
+        header, frames, shareable = self._prepare(key, value)
+        if shareable is None:
+            if only_shared:
+                return False
+            if self._compression:  # read back by copy: compressed, as stock spills
+                with context_meter.add_callback(self._record):  # stock's compress meter
+                    header, frames = compress_frames(header, frames, self._compression)
+        name = self._write(key, [pack_header(header), *frames], safe_sizeof(value))
         del frames
         arrow_pool.release_unused()  # serialization's temporary copies, if any
         self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
