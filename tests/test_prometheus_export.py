@@ -208,3 +208,28 @@ def test_shared_memory_series_follow_the_configured_namespace(shm_client):
     assert "acme_shm_worker_link_bytes" in found
     assert found["acme_shm_worker_link_bytes"].type == "counter"  # type: ignore[attr-defined]
     assert not any(name.startswith("dask_shm_worker_") for name in found)
+
+
+def _worker_families(config: dict) -> set[str]:
+    """Family names on a worker's /metrics page, in a fresh process cluster."""
+    with process_cluster(1, "1GiB", config, silence_logs=logging.ERROR) as client:
+        (a,) = worker_addresses(client)
+        assert client.submit(make_array, MIB, workers=[a]).result().size == MIB // 8
+        return set(families(client.run(scrape, workers=[a])[a]))
+
+
+def test_distributeds_own_worker_series_stay_exactly_stocks():
+    """With dask-shm switched on as users do (preloads, shared memory on),
+    every family of ours is under ``dask_shm_`` and the rest of the page is
+    stock's, family for family: distributed's own test_prometheus checks its
+    ``dask_worker_*`` families for equality."""
+    stock = _worker_families({})
+    ours = _worker_families(
+        {
+            "distributed.worker.preload": ["dask_shm"],
+            "distributed.nanny.preload": ["dask_shm"],
+            "shm.shared-memory.enabled": True,
+        }
+    )
+    assert {f for f in ours if not f.startswith("dask_shm_")} == stock
+    assert {"dask_shm_worker_link_bytes", "dask_shm_worker_span_memory_bytes"} <= ours
