@@ -358,6 +358,16 @@ def prometheus_namespace() -> str:
     return str(dask.config.get("distributed.dashboard.prometheus.namespace", default="dask"))
 
 
+def prometheus_series_name(subsystem: str, name: str) -> str:
+    """``<namespace>_shm_<subsystem>_<name>``, the name of every Prometheus
+    series of ours: built as distributed's collectors build theirs (an empty
+    namespace gives ``shm_<subsystem>_<name>``), under our own ``shm``
+    prefix so that distributed's ``<namespace>_worker_*`` and
+    ``<namespace>_scheduler_*`` families stay exactly stock's.
+    prometheus_client appends the unit and ``_total``."""
+    return "_".join(p for p in (prometheus_namespace(), "shm", subsystem, name) if p)
+
+
 def worker_max_spill() -> int | Literal[False]:
     """``distributed.worker.memory.max-spill``: False or bytes.
 

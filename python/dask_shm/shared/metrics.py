@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from dask_shm.config import prometheus_namespace
+from dask_shm.config import prometheus_series_name
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -205,12 +205,9 @@ SERIES: dict[str, Series] = {
 
 
 def metric_name(series: Series) -> str:
-    """``<namespace>_shm_worker_<name>``: built as distributed's collectors
-    build names (an empty namespace gives ``shm_worker_<name>``), under our
-    own ``shm`` prefix so that distributed's ``<namespace>_worker_*`` family
-    stays exactly stock's; prometheus_client appends the unit and
-    ``_total``."""
-    return "_".join(p for p in (prometheus_namespace(), "shm", "worker", series.name) if p)
+    """``<namespace>_shm_worker_<name>`` (see
+    :func:`~dask_shm.config.prometheus_series_name`)."""
+    return prometheus_series_name("worker", series.name)
 
 
 class _Collector:

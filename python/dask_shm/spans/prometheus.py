@@ -45,7 +45,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from dask_shm.config import prometheus_namespace, setting_duration
+from dask_shm.config import prometheus_series_name, setting_duration
 from dask_shm.spans.span import MEMORY_FIELDS, Span
 
 
@@ -101,13 +101,6 @@ def retention() -> float:
     return setting_duration("shm.prometheus.span-retention")
 
 
-def _name(subsystem: str, name: str) -> str:
-    """``<ns>_shm_<subsystem>_<name>``: under our own ``shm`` prefix, so that
-    distributed's ``<ns>_scheduler_*`` and ``<ns>_worker_*`` families stay
-    exactly stock's."""
-    return "_".join(p for p in (prometheus_namespace(), "shm", subsystem, name) if p)
-
-
 def _sum_into(total: dict[str, float], figures: dict[str, float]) -> None:
     for k, v in figures.items():
         total[k] = total.get(k, 0.0) + v
@@ -158,13 +151,13 @@ def _spill_families(subsystem: str, labels: list[str]) -> tuple[Any, Any]:
     from prometheus_client.core import CounterMetricFamily
 
     nbytes = CounterMetricFamily(
-        _name(subsystem, "span_spill"),
+        prometheus_series_name(subsystem, "span_spill"),
         "Bytes spilled to / unspilled from disk while tasks of the span ran",
         labels=[*labels, "direction"],
         unit="bytes",
     )
     seconds = CounterMetricFamily(
-        _name(subsystem, "span_spill"),
+        prometheus_series_name(subsystem, "span_spill"),
         "Seconds spent spilling to / unspilling from disk while tasks of the span ran",
         labels=[*labels, "direction"],
         unit="seconds",
@@ -189,7 +182,7 @@ class SchedulerSpansCollector:
         if ext is None:
             return
         memory = GaugeMetricFamily(
-            _name("scheduler", "span_memory"),
+            prometheus_series_name("scheduler", "span_memory"),
             "Bytes held on the cluster by the keys of the span (not its children)",
             labels=["span", "span_id", "type"],
             unit="bytes",
@@ -235,7 +228,7 @@ class WorkerSpansCollector:
                     unattributed[i] += v
             by_span[""] = unattributed
         memory = GaugeMetricFamily(
-            _name("worker", "span_memory"),
+            prometheus_series_name("worker", "span_memory"),
             "Bytes held by this worker for the keys of the span",
             labels=["span_id", "type"],
             unit="bytes",
