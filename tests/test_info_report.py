@@ -279,6 +279,42 @@ def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy
         client.cancel([*futures, kept])
 
 
+def test_workers_asked_for_shared_memory_without_a_spill_buffer_are_told_why(roomy_tmpfs):
+    """A worker with no memory limit keeps stock's plain dict, so shared
+    memory is off there although the preload ran: info says that, and how to
+    turn it on, not that the preload is missing."""
+    config = {
+        "shm.shared-memory.enabled": True,
+        "shm.shared-memory.root": roomy_tmpfs,
+        "distributed.worker.preload": ["dask_shm"],
+    }
+    with (
+        dask.config.set(config),
+        LocalCluster(
+            n_workers=1,
+            processes=False,
+            protocol="tcp",
+            memory_limit=0,
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        ) as cluster,
+    ):
+        info = collect_info(roomy_tmpfs, cluster.scheduler_address)
+    [worker] = info.workers
+    assert worker.data_class == "builtins.dict" and worker.requested
+    assert worker.kept_mapping is not None
+    assert worker.kept_mapping.startswith("the worker has no memory limit")
+    kinds = {p.kind for p in info.problems}
+    assert "plugin" not in kinds
+    [problem] = [p for p in info.problems if p.kind == "plugin-data-mapping"]
+    assert worker.address in problem.message
+    assert worker.kept_mapping in problem.message
+    assert "--memory-limit" in problem.fix and "SharedMemoryPlugin" in problem.fix
+    assert f"{worker.address}: shared-memory mode off: the worker has no memory limit" in (
+        format_info(info)
+    )
+
+
 def _on_three_tiers(root: str, middle: str, disk: str, dask_worker) -> None:
     """Give the worker a buffer with a budgeted middle tier between the
     tmpfs and the disk, publishing its figures as the plugin does."""

@@ -148,6 +148,54 @@ async def test_shared_memory_preload_keeps_a_data_mapping_of_the_users(c, s, a):
     assert a.data["z"] == 3
 
 
+NO_SPILLING = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False}
+
+
+@pytest.mark.parametrize(
+    "worker_kwargs, config, why",
+    [
+        (
+            {"memory_limit": 0},
+            {},
+            "the worker has no memory limit, so distributed gave it a plain dict, which "
+            "dask-shm keeps as stock does; give it a memory limit and leave spilling on",
+        ),
+        (
+            {"memory_limit": "1 GiB"},
+            NO_SPILLING,
+            "distributed.worker.memory.target and .spill are both False, so distributed "
+            "gave it a plain dict",
+        ),
+        (
+            {"memory_limit": "1 GiB", "data": dict},
+            {},
+            "its data mapping is the user's (builtins.dict), which dask-shm keeps; "
+            "register dask_shm.SharedMemoryPlugin() to replace it",
+        ),
+    ],
+)
+def test_shared_memory_left_off_by_a_kept_data_mapping_says_why_in_the_worker_log(
+    worker_kwargs, config, why
+):
+    """Stock gives a worker without a memory limit, or with spilling off, a
+    plain dict, and the preload keeps it (distributed's own tests check its
+    type): shared-memory mode is then off, and the worker's log says so."""
+
+    async def start() -> None:
+        async with Scheduler(dashboard_address=":0") as s:
+            async with Worker(s.address, preload=["dask_shm"], **worker_kwargs) as w:
+                assert type(w.data) is dict
+                address = w.address
+        [line] = [x for x in logs.getvalue().splitlines() if "shared-memory mode off" in x]
+        assert line.startswith(f"dask-shm: shared-memory mode off on {address}: {why}")
+
+    with (
+        dask.config.set({"shm.shared-memory.enabled": True, **config}),
+        captured_logger("dask_shm", level=logging.WARNING) as logs,
+    ):
+        asyncio.run(start())
+
+
 def test_unknown_keys_are_warned_about_once_at_worker_start_naming_the_closest_key() -> None:
     """By the dask_shm logger, once per key in a process that starts two
     workers; the keys are otherwise ignored."""

@@ -132,6 +132,9 @@ async def _setup(server: Any) -> None:
         from dask_shm.shared import SharedMemoryPlugin
 
         await _add_plugin(server, SharedMemoryPlugin())
+    elif shared:
+        why, fix = kept_data_mapping(server)
+        logger.warning("dask-shm: shared-memory mode off on %s: %s; %s", server.address, why, fix)
     elif switches["spill-buffer"] and _has_stock_spill_buffer(server):
         from dask_shm.worker import SpillBufferPlugin
 
@@ -146,6 +149,31 @@ def _has_stock_spill_buffer(worker: Any) -> bool:
     from distributed.spill import SpillBuffer as StockSpillBuffer
 
     return isinstance(worker.memory_manager.data, StockSpillBuffer)
+
+
+def kept_data_mapping(worker: Any) -> tuple[str, str]:
+    """``(why, fix)``: why the preload leaves ``worker``'s data mapping as it
+    is (it is not stock's SpillBuffer, so shared-memory mode stays off), and
+    what turns shared-memory mode on, each in a phrase."""
+    data = worker.memory_manager.data
+    manager = worker.memory_manager
+    if type(data) is dict and not manager.memory_limit:
+        why = "the worker has no memory limit"
+    elif type(data) is dict and not (
+        manager.memory_target_fraction or manager.memory_spill_fraction
+    ):
+        why = "distributed.worker.memory.target and .spill are both False"
+    else:
+        kind = f"{type(data).__module__}.{type(data).__qualname__}"
+        return (
+            f"its data mapping is the user's ({kind}), which dask-shm keeps",
+            "register dask_shm.SharedMemoryPlugin() to replace it",
+        )
+    return (
+        f"{why}, so distributed gave it a plain dict, which dask-shm keeps as stock does",
+        "give it a memory limit and leave spilling on to share values through the "
+        "shared-memory root",
+    )
 
 
 async def dask_teardown(server: Any) -> None:

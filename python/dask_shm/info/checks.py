@@ -32,7 +32,8 @@ class Problem(NamedTuple):
     ``root-filesystem-unknown``, ``root-read-only``, ``root-not-writable``,
     ``root-low-space`` (as small as the worker warns about: tier 3 takes over),
     ``user-directory``, ``open-files``, ``max-map-count``, ``platform``,
-    ``config``, ``scheduler``, ``no-workers``, ``plugin``, ``worker-check``,
+    ``config``, ``scheduler``, ``no-workers``, ``plugin``, ``plugin-data-mapping``,
+    ``worker-check``,
     ``distributed-hooks``."""
 
     message: str
@@ -265,7 +266,26 @@ def find_problems(info: HostInfo) -> list[Problem]:
             )
         # Off is a problem only where the worker's config asked for it
         # (shm.shared-memory.enabled: true): then the worker fell back.
-        without = [w for w in info.workers if w.plugin_active is False and w.requested]
+        kept = [w for w in info.workers if w.kept_mapping is not None]
+        if kept:
+            add(
+                Problem(
+                    f"{len(kept)} of {len(info.workers)} worker(s) have "
+                    "shm.shared-memory.enabled: true but share nothing: "
+                    f"{_some(w.address for w in kept)}: {kept[0].kept_mapping}",
+                    "start the workers with a memory limit (`dask worker --memory-limit`, "
+                    "`LocalCluster(memory_limit=...)`) and distributed.worker.memory.target "
+                    "or .spill on: distributed then gives them a spill buffer, which "
+                    "shared-memory mode replaces; a data mapping of your own is kept unless "
+                    "you register dask_shm.SharedMemoryPlugin()",
+                    "plugin-data-mapping",
+                )
+            )
+        without = [
+            w
+            for w in info.workers
+            if w.plugin_active is False and w.requested and w.kept_mapping is None
+        ]
         if without:
             add(
                 Problem(

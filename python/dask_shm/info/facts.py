@@ -32,7 +32,7 @@ from dask_shm.config import (
     enabled,
     unknown_keys,
 )
-from dask_shm.preload import preloaded_plugins
+from dask_shm.preload import kept_data_mapping, preloaded_plugins
 from dask_shm.shared.limits import summary
 from dask_shm.shared.metrics import TierFigures, file_tiers
 from dask_shm.shared.paths import (
@@ -83,6 +83,10 @@ class WorkerInfo:
     tier2_bytes: int | None = None
     tier3_bytes: int | None = None
     tier2_budget: int | None = None
+    #: Where the worker asked for the plugin and has neither it nor a spill
+    #: buffer: why its data mapping was kept (see
+    #: :func:`dask_shm.preload.kept_data_mapping`).
+    kept_mapping: str | None = None
 
 
 class HookStatus(NamedTuple):
@@ -285,16 +289,22 @@ def dead_files(tier: str, root: str) -> DeadFiles:
 
 def _worker_report(dask_worker: Any) -> dict[str, Any]:
     """Run on each worker by :func:`ask_workers`."""
+    from distributed.spill import SpillBuffer as StockSpillBuffer
+
+    from dask_shm.spill import SpillBuffer
+
     data = dask_worker.data
     requested = configured("shm.shared-memory.enabled")
     published = dask_worker.metrics.get("shm")
     figures = published(dask_worker) if callable(published) else None
+    active = PLUGIN_NAME in dask_worker.plugins or PLUGIN_NAME in preloaded_plugins(dask_worker)
+    kept = requested is True and not active and not isinstance(data, StockSpillBuffer | SpillBuffer)
     return {
-        "plugin_active": PLUGIN_NAME in dask_worker.plugins
-        or PLUGIN_NAME in preloaded_plugins(dask_worker),
+        "plugin_active": active,
         "data_class": f"{type(data).__module__}.{type(data).__qualname__}",
         "requested": requested if isinstance(requested, bool) else None,
         "metrics": figures,
+        "kept_mapping": kept_data_mapping(dask_worker)[0] if kept else None,
     }
 
 
@@ -347,6 +357,7 @@ def ask_workers(address: str, timeout: float) -> tuple[str | None, list[WorkerIn
                     tier2_bytes=None if tier2 is None else tier2.bytes,
                     tier3_bytes=None if tier3 is None else tier3.bytes,
                     tier2_budget=None if tier2 is None else tier2.budget,
+                    kept_mapping=result.get("kept_mapping"),
                 )
             )
     return None, workers

@@ -47,6 +47,8 @@ def _yes(value: bool | None) -> str:
 def _worker_state(w: WorkerInfo) -> str:
     if w.plugin_active:
         state = "shared-memory plugin active"
+    elif w.kept_mapping is not None:
+        state = f"shared-memory mode off: {w.kept_mapping}"
     elif w.requested:
         state = "shared-memory plugin NOT active though shm.shared-memory.enabled is true"
     else:
