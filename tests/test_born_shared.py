@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -98,6 +99,20 @@ def test_free_keeps_blocks_for_reuse_until_released(arena: str) -> None:
     s = born.stats()
     assert s["cached_blocks"] == 0 and s["cached_bytes"] == 0
     assert s["evicted"] - after["evicted"] == 5
+
+
+def test_cached_blocks_unused_for_the_decay_are_released(arena: str) -> None:
+    born.start(arena, threshold=MiB, budget=256 * MiB, cache_decay=0.2)
+    with born.allocating():
+        x = np.full(MiB, 1, dtype=np.uint8)
+    del x
+    assert born.stats()["cached_bytes"] == MiB
+    assert born.release_expired() == 0  # not yet
+    time.sleep(0.3)
+    assert born.release_expired() == MiB
+    assert files(arena) == [] and born.stats()["cached_bytes"] == 0
+    with pytest.raises(ValueError, match="cache_decay must be >= 0 s"):
+        born.start(arena, threshold=MiB, budget=256 * MiB, cache_decay=-1)
 
 
 def test_free_unmaps_and_unlinks_without_a_cache(arena: str) -> None:
@@ -649,9 +664,11 @@ def _memory_report(dask_worker: Any) -> dict[str, Any]:
 def test_worker_memory_counts_cached_blocks_and_pressure_releases_them() -> None:
     from dask_shm import SharedMemoryPlugin
 
+    # Cached blocks wait an hour: no decay between the tasks and the report.
+    settings = born_worker.BornSettings(mode=True, cache_decay=3600)
     with process_cluster(1, "2GiB") as client:
         client.register_plugin(SharedMemoryPlugin())
-        client.register_plugin(born_worker.BornSharedPlugin(born_worker.BornSettings(mode=True)))
+        client.register_plugin(born_worker.BornSharedPlugin(settings))
         assert client.submit(_churn, 32 * MiB, pure=False).result() == 4 * MiB
         assert client.submit(_churn, 32 * MiB, pure=False).result() == 4 * MiB
         (report,) = client.run(_memory_report).values()
@@ -663,6 +680,48 @@ def test_worker_memory_counts_cached_blocks_and_pressure_releases_them() -> None
         # Memory pressure (the memory manager's evict) releases them first.
         assert report["released"] == stats["cached_bytes"]
         assert report["after"]["cached_bytes"] == 0
+
+
+def test_an_idle_worker_releases_cached_blocks_after_the_decay() -> None:
+    """A freed block nobody asks for again does not stay the worker's memory:
+    the worker releases it once it waited the cache's decay, with no task
+    running and no memory pressure."""
+    from dask_shm import SharedMemoryPlugin
+
+    settings = born_worker.BornSettings(mode=True, cache_decay=0.5)
+    with process_cluster(1, "2GiB") as client:
+        client.register_plugin(SharedMemoryPlugin())
+        client.register_plugin(born_worker.BornSharedPlugin(settings))
+        assert client.submit(_churn, 32 * MiB, pure=False).result() == 4 * MiB
+        deadline = time.monotonic() + 30
+        while (report := _one(client.run(_idle_report)))["cached_bytes"]:
+            assert time.monotonic() < deadline, report
+            time.sleep(0.1)
+        assert report["evicted"] >= 1 and report["figure"] == 0 and report["files"] == 0
+
+
+def _one(results: dict[str, Any]) -> Any:
+    (result,) = results.values()
+    return result
+
+
+def _idle_report(dask_worker: Any) -> dict[str, Any]:
+    """The arena's cache, the worker's memory figure without its private
+    part, and the files in its born directory."""
+    plugin = dask_worker.plugins["dask-shm-born-shared"]
+    private = plugin._monitor
+    plugin._monitor = lambda: 0
+    try:
+        figure = dask_worker.monitor.get_process_memory()
+    finally:
+        plugin._monitor = private
+    stats = born.stats()
+    return {
+        "cached_bytes": stats["cached_bytes"],
+        "evicted": stats["evicted"],
+        "figure": figure,
+        "files": len(os.listdir(plugin._directory)),
+    }
 
 
 def test_shared_memory_plugin_turns_it_on_from_config() -> None:

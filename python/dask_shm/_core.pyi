@@ -17,6 +17,7 @@ __all__ = [
     "born_handler",
     "born_header_size",
     "born_release_cache",
+    "born_release_expired",
     "born_seal",
     "born_stats",
     "buffer_address",
@@ -439,17 +440,23 @@ def born_configure(
     max_blocks: int,
     reserve: bool = True,
     cache: int | None = None,
+    cache_decay: float | None = None,
 ) -> None:
     """Configure the process-wide arena: allocations of at least ``threshold``
     bytes become files in ``directory`` (0700, on a tmpfs), up to ``budget``
     mapped bytes and ``max_blocks`` mappings (cached blocks included);
     ``None`` stops new blocks and releases the free cache. ``reserve``
     fallocates each block's pages when made. ``cache``: most bytes of freed
-    blocks kept for reuse (None: a quarter of the budget, at most 256 MiB).
-    Raises ValueError if the directory does not exist."""
+    blocks kept for reuse (None: a quarter of the budget, at most 256 MiB),
+    each until unused for ``cache_decay`` seconds (None: 1 s). Raises
+    ValueError if the directory does not exist or ``cache_decay`` < 0."""
 
 def born_release_cache() -> int:
     """Unmap and unlink every cached block; returns the bytes released."""
+
+def born_release_expired() -> int:
+    """Unmap and unlink the cached blocks that waited unused longer than the
+    cache's decay (1 s); returns the bytes released."""
 
 def born_handler() -> Any:
     """numpy ``mem_handler`` capsule serving large allocations from the arena

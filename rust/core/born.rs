@@ -27,7 +27,10 @@
 //!   again). Cached blocks still count against the byte and block budgets
 //!   (and in [`Stats`]); they are evicted (unmapped and unlinked), oldest
 //!   first, beyond the cache's cap, when a fresh allocation needs their
-//!   budget, when the settings shrink or change directory, and on stop.
+//!   budget, once they waited unused for the cache's decay (1 s by
+//!   default: a length nobody asks for again does not hold its pages until
+//!   the cap pushes it out), when the settings shrink or change directory,
+//!   and on stop.
 //! - [`Arena::seal`] writes the header and replaces the block's mapping in
 //!   place by a `MAP_PRIVATE` mapping of the same file at the same address:
 //!   later writes by the owner are copy-on-write and never reach the file,
@@ -50,6 +53,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// The system page size (the offset of a block's bytes inside its file).
 pub use crate::fs::page_size;
@@ -81,10 +85,19 @@ struct Cached {
     path: PathBuf,
     len: usize,
     map_len: usize,
+    /// When it was freed.
+    since: Instant,
 }
 
 /// The largest free cache [`default_cache`] allows.
 pub const DEFAULT_CACHE_MAX: usize = 256 << 20;
+
+/// How long a freed block waits in the free cache for an allocation of its
+/// length by default. A steady workload asks for the same lengths again
+/// within milliseconds; a length nobody asks for again would otherwise hold
+/// its pages until the cap or the budget pushed it out (as a malloc arena's
+/// decay returns unused dirty pages, e.g. jemalloc's `dirty_decay_ms`).
+pub const DEFAULT_CACHE_DECAY: Duration = Duration::from_secs(1);
 
 /// Default cap of the free cache for a byte budget: a quarter of the budget,
 /// at most [`DEFAULT_CACHE_MAX`].
@@ -164,6 +177,18 @@ impl State {
         self.cache.insert(seq, c);
     }
 
+    /// Move the cached blocks freed `decay` or longer before `now` to `out`,
+    /// as [`State::evict_oldest`] does.
+    fn evict_expired(&mut self, now: Instant, decay: Duration, out: &mut Vec<Cached>) {
+        while self
+            .cache
+            .first_key_value()
+            .is_some_and(|(_, c)| now.saturating_duration_since(c.since) >= decay)
+        {
+            self.evict_oldest(out);
+        }
+    }
+
     /// Move the oldest cached block to `out` (to be destroyed once the lock
     /// is released), releasing its budget. False if the cache is empty.
     fn evict_oldest(&mut self, out: &mut Vec<Cached>) -> bool {
@@ -198,6 +223,9 @@ pub struct Settings {
     /// Most bytes of freed blocks kept for reuse (0: none); see
     /// [`default_cache`].
     pub cache: usize,
+    /// How long a freed block is kept unused before it is released; see
+    /// [`DEFAULT_CACHE_DECAY`].
+    pub cache_decay: Duration,
 }
 
 /// A thread-safe allocator of file-backed blocks. `const`-constructible so
@@ -212,6 +240,8 @@ pub struct Arena {
     max_blocks: AtomicUsize,
     reserve: AtomicBool,
     cache_cap: AtomicUsize,
+    /// `Settings::cache_decay` in nanoseconds.
+    cache_decay_ns: AtomicU64,
     /// The process the state belongs to (0 before the first `configure`): a
     /// child forked since inherits the state and the shared mappings, but
     /// the blocks and files are the parent's.
@@ -346,6 +376,7 @@ impl Arena {
             max_blocks: AtomicUsize::new(0),
             reserve: AtomicBool::new(true),
             cache_cap: AtomicUsize::new(0),
+            cache_decay_ns: AtomicU64::new(0),
             pid: AtomicI32::new(0),
             next_id: AtomicU64::new(0),
             allocated: AtomicU64::new(0),
@@ -394,6 +425,10 @@ impl Arena {
             && st.evict_oldest(&mut evicted)
         {}
         self.cache_cap.store(settings.cache, Ordering::Relaxed);
+        self.cache_decay_ns.store(
+            u64::try_from(settings.cache_decay.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
         st.directory = settings.directory.clone();
         self.threshold.store(
             if settings.directory.is_some() {
@@ -420,6 +455,25 @@ impl Arena {
         let pid = self.pid.load(Ordering::Relaxed);
         // SAFETY: getpid has no preconditions.
         pid != 0 && pid != unsafe { libc::getpid() }
+    }
+
+    fn cache_decay(&self) -> Duration {
+        Duration::from_nanos(self.cache_decay_ns.load(Ordering::Relaxed))
+    }
+
+    /// Unmap and unlink the cached blocks that waited longer than the
+    /// decay; returns the bytes released. Allocations and frees do this on
+    /// their own; an owner calls it now and then so that an idle process
+    /// releases them too.
+    pub fn release_expired(&self) -> usize {
+        let mut evicted = Vec::new();
+        {
+            let mut st = lock(&self.state);
+            st.evict_expired(Instant::now(), self.cache_decay(), &mut evicted);
+        }
+        let released = evicted.iter().map(|c| c.map_len).sum();
+        self.destroy(evicted);
+        released
     }
 
     /// Unmap and unlink every cached block; returns the bytes released.
@@ -483,7 +537,9 @@ impl Arena {
             let taken = {
                 let mut st = lock(&self.state);
                 let directory = st.directory.clone()?;
-                match st.take_cached(map_len) {
+                let taken = st.take_cached(map_len);
+                st.evict_expired(Instant::now(), self.cache_decay(), &mut evicted);
+                match taken {
                     Some(c) => Ok(c),
                     None => {
                         // Cached blocks of other lengths give way to a fresh one.
@@ -648,14 +704,17 @@ impl Arena {
                 let mut st = lock(&self.state);
                 let here = st.directory.is_some() && block.path.parent() == st.directory.as_deref();
                 if here {
+                    let now = Instant::now();
                     st.put_cached(Cached {
                         addr,
                         path: block.path.clone(),
                         len: block.len,
                         map_len: block.map_len,
+                        since: now,
                     });
                     let cap = self.cache_cap.load(Ordering::Relaxed);
                     while st.cache_bytes > cap && st.evict_oldest(&mut evicted) {}
+                    st.evict_expired(now, self.cache_decay(), &mut evicted);
                 }
                 here
             };
@@ -940,6 +999,7 @@ mod tests {
             max_blocks,
             reserve: true,
             cache: 0,
+            cache_decay: Duration::from_secs(3600),
         });
         a
     }
@@ -953,6 +1013,7 @@ mod tests {
             max_blocks: 1000,
             reserve: true,
             cache,
+            cache_decay: Duration::from_secs(3600),
         });
         a
     }
@@ -1040,6 +1101,7 @@ mod tests {
             max_blocks: 2,
             reserve: true,
             cache: 0,
+            cache_decay: Duration::from_secs(3600),
         });
         assert_eq!(a.alloc(page), None);
         assert_eq!(a.stats().refused_blocks, 1);
@@ -1350,6 +1412,48 @@ mod tests {
     }
 
     #[test]
+    fn cached_blocks_unused_for_the_decay_are_released() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = Arena::new();
+        a.configure(&Settings {
+            directory: Some(d.path().to_path_buf()),
+            threshold: page,
+            budget: 1 << 30,
+            max_blocks: 1000,
+            reserve: true,
+            cache: 1 << 30,
+            cache_decay: Duration::from_millis(200),
+        });
+        let odd = a.alloc(3 * page).unwrap();
+        let odd_path = a.lookup(odd).unwrap().path;
+        a.free(odd);
+        assert_eq!(a.stats().cached_blocks, 1);
+        // Reused within the decay: the same block, its file kept.
+        let again = a.alloc(3 * page).unwrap();
+        assert_eq!(again, odd);
+        a.free(again);
+        std::thread::sleep(Duration::from_millis(250));
+        // The next allocation releases the block nobody asked for in time ...
+        let other = a.alloc(2 * page).unwrap();
+        let other_path = a.lookup(other).unwrap().path;
+        a.free(other);
+        assert!(!odd_path.exists());
+        let s = a.stats();
+        assert_eq!(
+            (s.cached_blocks, s.cached_bytes, s.evicted),
+            (1, 2 * page, 1)
+        );
+        // ... and an idle owner releases the rest.
+        assert_eq!(a.release_expired(), 0);
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!(a.release_expired(), 2 * page);
+        assert!(!other_path.exists());
+        assert_eq!(reserved(&a), (0, 0));
+        assert_eq!(entries(d.path()), 0);
+    }
+
+    #[test]
     fn the_cache_cap_is_respected_oldest_first() {
         let d = tmpfs_dir();
         let page = page_size();
@@ -1408,6 +1512,7 @@ mod tests {
             max_blocks: 2,
             reserve: true,
             cache: 1 << 30,
+            cache_decay: Duration::from_secs(3600),
         });
         let p = b.alloc(page).unwrap();
         let q = b.alloc(page).unwrap();
@@ -1430,6 +1535,7 @@ mod tests {
             max_blocks: 1000,
             reserve: true,
             cache,
+            cache_decay: Duration::from_secs(3600),
         };
         let a = cached_arena(d.path(), page, 1 << 30, 1 << 30);
         for _ in 0..2 {
@@ -1559,6 +1665,7 @@ mod tests {
                     max_blocks: 0,
                     reserve: true,
                     cache: 0,
+                    cache_decay: Duration::from_secs(3600),
                 });
                 if !x_path.exists() || !y_path.exists() {
                     return 6;

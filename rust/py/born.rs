@@ -10,13 +10,14 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::path::PathBuf;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use dask_shm_core::born::{default_cache, Arena, Realloc, Settings};
+use dask_shm_core::born::{default_cache, Arena, Realloc, Settings, DEFAULT_CACHE_DECAY};
 
 /// The arena every born-shared allocation of this process comes from.
 pub static ARENA: Arena = Arena::new();
@@ -222,10 +223,12 @@ fn our_handler(py: Python<'_>) -> PyResult<&'static Handler> {
 /// go to files in ``directory`` (an existing 0700 directory on a tmpfs), up to
 /// ``budget`` mapped bytes and ``max_blocks`` mappings, keeping up to
 /// ``cache`` bytes of freed blocks for reuse (None: a quarter of the budget,
-/// at most 256 MiB); ``directory=None`` turns new born-shared allocations off
-/// (live ones stay valid) and releases the cache.
+/// at most 256 MiB) until unused for ``cache_decay`` seconds (None: 1 s);
+/// ``directory=None`` turns new born-shared allocations off (live ones stay
+/// valid) and releases the cache.
 #[pyfunction]
-#[pyo3(signature = (directory, threshold, budget, max_blocks, reserve=true, cache=None))]
+#[pyo3(signature = (directory, threshold, budget, max_blocks, reserve=true, cache=None, cache_decay=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn born_configure(
     py: Python<'_>,
     directory: Option<PathBuf>,
@@ -234,7 +237,13 @@ pub fn born_configure(
     max_blocks: usize,
     reserve: bool,
     cache: Option<usize>,
+    cache_decay: Option<f64>,
 ) -> PyResult<()> {
+    let cache_decay = match cache_decay {
+        None => DEFAULT_CACHE_DECAY,
+        Some(s) => Duration::try_from_secs_f64(s)
+            .map_err(|_| PyValueError::new_err(format!("cache_decay must be >= 0 s, got {s}")))?,
+    };
     if let Some(d) = &directory {
         if !d.is_dir() {
             return Err(PyValueError::new_err(format!(
@@ -250,6 +259,7 @@ pub fn born_configure(
         max_blocks,
         reserve,
         cache: cache.unwrap_or_else(|| default_cache(budget)),
+        cache_decay,
     };
     // Evicting cached blocks unmaps and unlinks files: no GIL needed.
     py.detach(|| ARENA.configure(&settings));
@@ -261,6 +271,13 @@ pub fn born_configure(
 #[pyfunction]
 pub fn born_release_cache(py: Python<'_>) -> usize {
     py.detach(|| ARENA.release_cache())
+}
+
+/// Unmap and unlink the cached blocks that waited unused longer than the
+/// cache's decay (1 s); returns the bytes released.
+#[pyfunction]
+pub fn born_release_expired(py: Python<'_>) -> usize {
+    py.detach(|| ARENA.release_expired())
 }
 
 /// A ``mem_handler`` capsule for numpy's data-memory API that serves large

@@ -39,7 +39,7 @@ mod _core {
     #[pymodule_export]
     use super::born::{
         born_block, born_configure, born_disown, born_handler, born_header_size,
-        born_release_cache, born_seal, born_stats, set_numpy_handler,
+        born_release_cache, born_release_expired, born_seal, born_stats, set_numpy_handler,
     };
     #[pymodule_export]
     use super::buffers::{live_mappings, mapped_ranges, watch_mappings, MappedFile};

@@ -16,7 +16,9 @@ a steady workload creates no new files and faults no new tmpfs pages in
 (fresh 4 KiB tmpfs pages cost ~3x what ordinary memory does). Cached blocks
 still count against the budget and as the process's own memory
 (``stats()["cached_bytes"]``); they go beyond the cache's cap, when a fresh
-block needs their budget, on :func:`stop` and :func:`release_cache`.
+block needs their budget, once unused for :data:`CACHE_DECAY` (at the next
+allocation or free, or :func:`release_expired`), on :func:`stop` and
+:func:`release_cache`.
 
 Each block's file has one page in front of the array's bytes. :func:`seal`
 writes a spill-file header there (the format of ``rust/core/format.rs``, the
@@ -50,6 +52,9 @@ DEFAULT_THRESHOLD = byte_size(
 )
 #: Largest default free cache (see :func:`default_cache`).
 DEFAULT_CACHE_MAX = 256 << 20
+#: How long a freed block waits in the free cache for an allocation of its
+#: size before it is released (rust/core/born.rs ``DEFAULT_CACHE_DECAY``).
+CACHE_DECAY = 1.0
 # rust/core/format.rs: magic, u32 frame count, u64 per frame length; frames of
 # FRAME_ALIGN_MIN_LEN bytes or more start on a FRAME_ALIGNMENT boundary.
 _MAGIC = b"DSK2"
@@ -74,6 +79,7 @@ def start(
     max_blocks: int | None = None,
     reserve: bool = True,
     cache: int | None = None,
+    cache_decay: float = CACHE_DECAY,
 ) -> None:
     """Serve allocations of ``threshold`` bytes or more from files in
     ``directory`` (existing, 0700, on a tmpfs), up to ``budget`` bytes and
@@ -82,12 +88,13 @@ def start(
     pages when it is made (``fallocate``), so a full tmpfs makes the
     allocation fall back to ordinary memory instead of killing the process
     with SIGBUS later. ``cache``: most bytes of freed blocks kept for reuse
-    (default :func:`default_cache` of the budget; 0 turns reuse off).
+    (default :func:`default_cache` of the budget; 0 turns reuse off), each
+    until unused for ``cache_decay`` seconds.
     Only code inside :func:`allocating` uses the arena. Raises ValueError if
     ``directory`` does not exist."""
     if max_blocks is None:
         max_blocks = default_max_blocks()
-    _core.born_configure(directory, threshold, budget, max_blocks, reserve, cache)
+    _core.born_configure(directory, threshold, budget, max_blocks, reserve, cache, cache_decay)
 
 
 def default_cache(budget: int) -> int:
@@ -105,6 +112,14 @@ def release_cache() -> int:
     """Unmap and unlink every cached (freed, kept for reuse) block; returns
     the bytes released."""
     return _core.born_release_cache()
+
+
+def release_expired() -> int:
+    """Unmap and unlink the cached blocks that waited unused longer than the
+    cache's decay (:data:`CACHE_DECAY`); returns the bytes released.
+    Allocations and frees do this themselves; a process that may sit idle
+    calls it now and then."""
+    return _core.born_release_expired()
 
 
 def stats() -> dict[str, Any]:

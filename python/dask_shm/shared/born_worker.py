@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from tornado.ioloop import PeriodicCallback
 
 from dask_shm import _core
 from dask_shm.config import setting, setting_bytes, shipped_default
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
     from distributed import Worker
 
 logger = logging.getLogger(__name__)
+
+#: The worker's periodic callback that releases the arena's expired cached
+#: blocks (:func:`born.release_expired`).
+DECAY_CALLBACK = "dask-shm-born-decay"
 
 
 def huge_pages(root: str) -> bool:
@@ -70,6 +75,9 @@ class BornSettings:
     budget: int | Literal["auto"] = field(
         default_factory=lambda: cast(Any, shipped_default("shm.shared-memory.born-budget"))
     )
+    #: Seconds a freed block waits in the arena's cache for reuse (not a
+    #: config key: the decay of :mod:`.born`).
+    cache_decay: float = born.CACHE_DECAY
 
     @classmethod
     def from_config(cls) -> BornSettings:
@@ -108,13 +116,15 @@ def install_on_worker(
     threshold: int,
     budget: int,
     budget_fn: Callable[[], int] | None = None,
+    cache_decay: float = born.CACHE_DECAY,
 ) -> None:
     """Start the arena in ``directory`` and run every task of ``worker``
     inside :func:`allocating` (its ``execute`` coroutine is wrapped; the
     task's thread inherits the context). ``budget_fn``, if given, is asked
     for the arena's byte budget before each task (e.g. what the tier-2
-    budget leaves). Undo with :func:`uninstall_from_worker`."""
-    born.start(directory, threshold=threshold, budget=budget)
+    budget leaves). Freed blocks wait ``cache_decay`` seconds for reuse.
+    Undo with :func:`uninstall_from_worker`."""
+    born.start(directory, threshold=threshold, budget=budget, cache_decay=cache_decay)
     if id(worker) in _installed:
         return
     original = worker.execute
@@ -123,7 +133,9 @@ def install_on_worker(
     async def execute(key: Any, *, stimulus_id: str) -> Any:
         try:
             if budget_fn is not None:
-                _core.born_configure(directory, threshold, budget_fn(), max_blocks)
+                _core.born_configure(
+                    directory, threshold, budget_fn(), max_blocks, cache_decay=cache_decay
+                )
             context: contextlib.AbstractContextManager = allocating()
         except (OSError, ValueError, RuntimeError) as e:
             # E.g. the directory was removed behind our back: the task runs on
@@ -148,6 +160,10 @@ def uninstall_from_worker(worker: Worker) -> None:
         del worker.execute  # the instance attribute; the class's method shows again
     if not _installed:
         born.stop()
+
+
+def _release_expired() -> None:
+    born.release_expired()
 
 
 class BornSharedPlugin(WorkerPlugin):
@@ -223,7 +239,12 @@ class BornSharedPlugin(WorkerPlugin):
             return max(0, min(budget, first.limit - first.used))
 
         install_on_worker(
-            worker, self._directory, threshold=settings.threshold, budget=room(), budget_fn=room
+            worker,
+            self._directory,
+            threshold=settings.threshold,
+            budget=room(),
+            budget_fn=room,
+            cache_decay=settings.cache_decay,
         )
         self._monitor = worker.monitor.get_process_memory
 
@@ -241,6 +262,12 @@ class BornSharedPlugin(WorkerPlugin):
             return released if released else evict_key()
 
         buffer.evict = evict  # type: ignore[method-assign]
+        # Freed blocks unused for the cache's decay go at the next allocation
+        # or free; this releases them from a worker that sits idle.
+        interval = max(settings.cache_decay, 0.05) * 1000
+        decay = PeriodicCallback(_release_expired, interval)
+        worker.periodic_callbacks[DECAY_CALLBACK] = decay
+        decay.start()
         self._report(
             worker, f"arrays of {settings.threshold} bytes or more born shared ({self._directory})"
         )
@@ -249,6 +276,9 @@ class BornSharedPlugin(WorkerPlugin):
         directory = getattr(self, "_directory", None)
         if directory is None:
             return
+        decay = worker.periodic_callbacks.pop(DECAY_CALLBACK, None)
+        if decay is not None:
+            decay.stop()
         uninstall_from_worker(worker)
         worker.monitor.get_process_memory = self._monitor  # type: ignore[method-assign]
         self._buffer.__dict__.pop("evict", None)  # the class's method shows again
