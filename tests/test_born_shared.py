@@ -646,16 +646,22 @@ def _churn(nbytes: int) -> float:
     return float(x.sum())
 
 
-def _memory_report(dask_worker: Any) -> dict[str, Any]:
-    """The worker's memory figure with its private part taken out, then what
-    one memory-pressure eviction releases."""
+def _born_memory_figure(dask_worker: Any) -> int:
+    """The worker's memory figure with its private part taken out: what the
+    born-shared plugin adds to it."""
     plugin = dask_worker.plugins["dask-shm-born-shared"]
     private = plugin._monitor
     plugin._monitor = lambda: 0
     try:
-        figure = dask_worker.monitor.get_process_memory()
+        return dask_worker.monitor.get_process_memory()
     finally:
         plugin._monitor = private
+
+
+def _memory_report(dask_worker: Any) -> dict[str, Any]:
+    """The worker's born-shared memory figure, then what one memory-pressure
+    eviction releases."""
+    figure = _born_memory_figure(dask_worker)
     stats = born.stats()
     released = dask_worker.data.evict()
     return {"figure": figure, "stats": stats, "released": released, "after": born.stats()}
@@ -706,21 +712,14 @@ def _one(results: dict[str, Any]) -> Any:
 
 
 def _idle_report(dask_worker: Any) -> dict[str, Any]:
-    """The arena's cache, the worker's memory figure without its private
-    part, and the files in its born directory."""
-    plugin = dask_worker.plugins["dask-shm-born-shared"]
-    private = plugin._monitor
-    plugin._monitor = lambda: 0
-    try:
-        figure = dask_worker.monitor.get_process_memory()
-    finally:
-        plugin._monitor = private
+    """The arena's cache, the worker's born-shared memory figure, and the
+    files in its born directory."""
     stats = born.stats()
     return {
         "cached_bytes": stats["cached_bytes"],
         "evicted": stats["evicted"],
-        "figure": figure,
-        "files": len(os.listdir(plugin._directory)),
+        "figure": _born_memory_figure(dask_worker),
+        "files": len(os.listdir(dask_worker.plugins["dask-shm-born-shared"]._directory)),
     }
 
 
