@@ -515,7 +515,7 @@ def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path, who
     marker = tmp_path / "running"
     script = textwrap.dedent(
         f"""
-        import pathlib, time
+        import pathlib, signal, time
         import dask, numpy as np
         from dask_shm.local import get, shutdown_pool
 
@@ -527,6 +527,10 @@ def test_files_removed_on_keyboard_interrupt(shm_base: Path, tmp_path: Path, who
             time.sleep(600)
 
         if __name__ == "__main__":
+            # As in a terminal. Started in the background by a non-interactive
+            # shell (`.ci/run &`), this process would inherit SIGINT ignored,
+            # and Python then raises no KeyboardInterrupt.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             dsk = {{"a": (big, 1), "b": (big, 2), "w": (wait_forever, "a", "b", {str(marker)!r})}}
             with dask.config.set({{"shm.local.shm-directory": {str(shm_base)!r}}}):
                 try:
