@@ -15,7 +15,13 @@ def make_array(nbytes: int, fill: float = 1.0) -> np.ndarray:
     return np.full(nbytes // 8, fill)
 
 
-@gen_cluster(client=True, nthreads=[("", 1), ("", 1)], worker_kwargs={"memory_limit": "1 GiB"})
+#: In-process workers count the whole pytest process as their memory (several
+#: hundred MiB late in a run): a limit far above it, so that nothing spills
+#: behind a test's back and the tier-2 budget is not used up before it starts.
+LIMIT = "8 GiB"
+
+
+@gen_cluster(client=True, nthreads=[("", 1), ("", 1)], worker_kwargs={"memory_limit": LIMIT})
 async def test_a_worker_without_the_plugin_gets_bytes(c, s, a, b):
     await SharedMemoryPlugin().setup(a)  # only a is in shared-memory mode
     assert isinstance(a.data, SpillBuffer) and a.data.shared
@@ -30,7 +36,7 @@ async def test_a_worker_without_the_plugin_gets_bytes(c, s, a, b):
     SharedMemoryPlugin().teardown(a)
 
 
-@gen_cluster(client=True, nthreads=[("", 1), ("", 1)], worker_kwargs={"memory_limit": "1 GiB"})
+@gen_cluster(client=True, nthreads=[("", 1), ("", 1)], worker_kwargs={"memory_limit": LIMIT})
 async def test_values_that_are_pickled_objects_travel_as_bytes(c, s, a, b):
     plugins = [SharedMemoryPlugin(), SharedMemoryPlugin()]
     await plugins[0].setup(a)
@@ -59,7 +65,7 @@ def _get_data_activities(worker) -> set[str]:
 two_workers_no_amm = gen_cluster(
     client=True,
     nthreads=[("", 1), ("", 1)],
-    worker_kwargs={"memory_limit": "1 GiB"},
+    worker_kwargs={"memory_limit": LIMIT},
     config={"distributed.scheduler.active-memory-manager.start": False},
 )
 
