@@ -11,6 +11,7 @@ __all__ = [
     "AMM_MAX_COUNTED_WAITERS",
     "AMM_REJECTIONS",
     "AmmRun",
+    "BORN_CACHE_DECAY",
     "born_block",
     "born_configure",
     "born_disown",
@@ -52,6 +53,9 @@ __version__: str
 #: many bytes of its spill file; shorter frames are packed (as in stock's files).
 FRAME_ALIGNMENT: int
 FRAME_ALIGN_MIN_LEN: int
+#: Seconds a freed born-shared block waits unused in the arena's free cache
+#: before it is released, unless ``born_configure`` says otherwise.
+BORN_CACHE_DECAY: float
 
 class ForgedHandleError(ValueError):
     """A shared-memory handle from a peer names a file we must not accept
@@ -448,7 +452,7 @@ def born_configure(
     ``None`` stops new blocks and releases the free cache. ``reserve``
     fallocates each block's pages when made. ``cache``: most bytes of freed
     blocks kept for reuse (None: a quarter of the budget, at most 256 MiB),
-    each until unused for ``cache_decay`` seconds (None: 1 s). Raises
+    each until unused for ``cache_decay`` seconds (None: BORN_CACHE_DECAY). Raises
     ValueError if the directory does not exist or ``cache_decay`` < 0."""
 
 def born_release_cache() -> int:
@@ -456,7 +460,7 @@ def born_release_cache() -> int:
 
 def born_release_expired() -> int:
     """Unmap and unlink the cached blocks that waited unused longer than the
-    cache's decay (1 s); returns the bytes released."""
+    cache's decay; returns the bytes released."""
 
 def born_handler() -> Any:
     """numpy ``mem_handler`` capsule serving large allocations from the arena

@@ -1005,6 +1005,16 @@ mod tests {
     }
 
     fn cached_arena(dir: &Path, threshold: usize, budget: usize, cache: usize) -> Arena {
+        decaying_arena(dir, threshold, budget, cache, Duration::from_secs(3600))
+    }
+
+    fn decaying_arena(
+        dir: &Path,
+        threshold: usize,
+        budget: usize,
+        cache: usize,
+        cache_decay: Duration,
+    ) -> Arena {
         let a = Arena::new();
         a.configure(&Settings {
             directory: Some(dir.to_path_buf()),
@@ -1013,7 +1023,7 @@ mod tests {
             max_blocks: 1000,
             reserve: true,
             cache,
-            cache_decay: Duration::from_secs(3600),
+            cache_decay,
         });
         a
     }
@@ -1415,16 +1425,7 @@ mod tests {
     fn cached_blocks_unused_for_the_decay_are_released() {
         let d = tmpfs_dir();
         let page = page_size();
-        let a = Arena::new();
-        a.configure(&Settings {
-            directory: Some(d.path().to_path_buf()),
-            threshold: page,
-            budget: 1 << 30,
-            max_blocks: 1000,
-            reserve: true,
-            cache: 1 << 30,
-            cache_decay: Duration::from_millis(200),
-        });
+        let a = decaying_arena(d.path(), page, 1 << 30, 1 << 30, Duration::from_millis(200));
         let odd = a.alloc(3 * page).unwrap();
         let odd_path = a.lookup(odd).unwrap().path;
         a.free(odd);

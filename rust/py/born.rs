@@ -223,7 +223,8 @@ fn our_handler(py: Python<'_>) -> PyResult<&'static Handler> {
 /// go to files in ``directory`` (an existing 0700 directory on a tmpfs), up to
 /// ``budget`` mapped bytes and ``max_blocks`` mappings, keeping up to
 /// ``cache`` bytes of freed blocks for reuse (None: a quarter of the budget,
-/// at most 256 MiB) until unused for ``cache_decay`` seconds (None: 1 s);
+/// at most 256 MiB) until unused for ``cache_decay`` seconds (None:
+/// ``BORN_CACHE_DECAY``);
 /// ``directory=None`` turns new born-shared allocations off (live ones stay
 /// valid) and releases the cache.
 #[pyfunction]
@@ -274,7 +275,7 @@ pub fn born_release_cache(py: Python<'_>) -> usize {
 }
 
 /// Unmap and unlink the cached blocks that waited unused longer than the
-/// cache's decay (1 s); returns the bytes released.
+/// cache's decay; returns the bytes released.
 #[pyfunction]
 pub fn born_release_expired(py: Python<'_>) -> usize {
     py.detach(|| ARENA.release_expired())

@@ -30,6 +30,8 @@ mod _core {
     #[pymodule_export]
     const FRAME_ALIGN_MIN_LEN: u64 = dask_shm_core::format::ALIGN_MIN_LEN;
     #[pymodule_export]
+    const BORN_CACHE_DECAY: f64 = dask_shm_core::born::DEFAULT_CACHE_DECAY.as_secs_f64();
+    #[pymodule_export]
     const AMM_MAX_COUNTED_WAITERS: usize = dask_shm_core::amm::MAX_COUNTED_WAITERS;
 
     #[pymodule_export]

@@ -52,9 +52,9 @@ DEFAULT_THRESHOLD = byte_size(
 )
 #: Largest default free cache (see :func:`default_cache`).
 DEFAULT_CACHE_MAX = 256 << 20
-#: How long a freed block waits in the free cache for an allocation of its
-#: size before it is released (rust/core/born.rs ``DEFAULT_CACHE_DECAY``).
-CACHE_DECAY = 1.0
+#: Seconds a freed block waits in the free cache for an allocation of its
+#: size before it is released (the arena's default).
+CACHE_DECAY = _core.BORN_CACHE_DECAY
 # rust/core/format.rs: magic, u32 frame count, u64 per frame length; frames of
 # FRAME_ALIGN_MIN_LEN bytes or more start on a FRAME_ALIGNMENT boundary.
 _MAGIC = b"DSK2"
