@@ -16,6 +16,8 @@ import pytest
 
 import dask_shm
 
+#: Entries for Python 3.11 only: stubtest fails on an allowlist entry it does
+#: not need, and 3.12 gives the classes the attribute the entries excuse.
 ALLOWLIST = Path(__file__).with_name("core_stub_allowlist.txt")
 #: follow_imports = skip: the stub's own imports are all that stubtest needs
 MYPY_CONFIG = Path(__file__).with_name("core_stub_mypy.ini")
@@ -30,14 +32,14 @@ def test_stub_matches_compiled_module() -> None:
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(package_root), env.get("PYTHONPATH", "")) if p
     )
+    allowlist = ["--allowlist", str(ALLOWLIST)] if sys.version_info < (3, 12) else []
     result = subprocess.run(
         [
             sys.executable,
             "-m",
             "mypy.stubtest",
             "dask_shm._core",
-            "--allowlist",
-            str(ALLOWLIST),
+            *allowlist,
             "--mypy-config-file",
             str(MYPY_CONFIG),
         ],
