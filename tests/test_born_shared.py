@@ -29,14 +29,14 @@ from dask_shm.spill_store import frames_to_object, serialize_unsplit
 
 MiB = 1 << 20
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(np._core.multiarray, "get_handler_name"), reason="numpy < 1.22"
-)
+try:  # numpy 2 moved numpy.core to numpy._core; dask-shm supports 1.26 too
+    from numpy._core.multiarray import get_handler_name
+except ImportError:
+    from numpy.core.multiarray import get_handler_name
 
 
 def handler_name(a: np.ndarray | None = None) -> str:
-    get = np._core.multiarray.get_handler_name
-    return get() if a is None else get(a)
+    return get_handler_name() if a is None else get_handler_name(a)
 
 
 @pytest.fixture
