@@ -4,13 +4,15 @@ restarted that stock keeps."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import sys
 import time
 
 import numpy as np
 import pytest
-from distributed import wait
+from distributed import KilledWorker, wait
 
 from dask_shm.shared import SharedSpillBuffer, shm_metrics
 from dask_shm.shared.relief import Tier2Relief
@@ -185,3 +187,24 @@ def test_a_full_tier2_does_not_get_a_worker_restarted_that_stock_keeps(shm_dir, 
                 assert time.monotonic() < deadline, (before, after)
                 time.sleep(0.1)
                 (after,) = client.run(shm_metrics).values()
+
+
+def test_the_nanny_says_what_it_counted_when_it_restarts_a_worker(shm_dir, caplog):
+    """Past terminate (95%) the nanny restarts a shared-mode worker, as stock's
+    does, and its warning gives the two parts it added up (private memory,
+    the worker's share of shared files) and the limit."""
+    config = {**shared_config(shm_dir), "distributed.scheduler.allowed-failures": 0}
+    with (
+        caplog.at_level(logging.WARNING, logger="distributed.nanny"),
+        process_cluster(1, LIMIT, config) as client,
+    ):
+        growing = client.submit(_grow_private_memory, 1.1, LIMIT, pure=False)
+        with pytest.raises(KilledWorker):
+            growing.result(timeout=120)
+        assert client.get_events("worker-restart-memory")
+    (warning,) = [r.getMessage() for r in caplog.records if "exceeded 95%" in r.getMessage()]
+    assert re.search(
+        r"private memory [\d.]+ [MG]iB plus its share of shared-memory files "
+        r"[\d.]+ [kMG]?i?B, limit 1\.00 GiB\)\. Restarting",
+        warning,
+    ), warning

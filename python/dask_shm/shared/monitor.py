@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dask.utils import format_bytes
 from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
 
@@ -108,14 +109,17 @@ class _PrivateMemoryTerminator:
         self.root = root
         self.last_terminated_pid = -1
 
-    def memory(self, pid: int) -> int:
-        """Private memory of worker process ``pid`` plus the share of tmpfs
+    def parts(self, pid: int) -> tuple[int, int]:
+        """Private memory of worker process ``pid`` and the share of tmpfs
         files it publishes; O(1) in its number of files. Raises
         ProcessLookupError if it is gone."""
-        memory = process_memory(pid).private
-        if self.root is not None:
-            memory += read_published_share(self.root, pid)
-        return memory
+        private = process_memory(pid).private
+        share = 0 if self.root is None else read_published_share(self.root, pid)
+        return private, share
+
+    def memory(self, pid: int) -> int:
+        """:meth:`parts` summed: what is held against the limit."""
+        return sum(self.parts(pid))
 
     def __call__(self) -> None:
         nanny = self.nanny
@@ -127,18 +131,22 @@ class _PrivateMemoryTerminator:
         if not limit or fraction is False:
             return
         try:
-            memory = self.memory(process.pid)
+            private, share = self.parts(process.pid)
         except ProcessLookupError:
             return
+        memory = private + share
         if memory / limit <= fraction:
             return
         if self.last_terminated_pid != process.pid:
             logger.warning(
                 "Worker %s (pid=%d) exceeded %.0f%% memory budget (private memory "
-                "plus its share of shared-memory files). Restarting...",
+                "%s plus its share of shared-memory files %s, limit %s). Restarting...",
                 nanny.worker_address,
                 process.pid,
                 fraction * 100,
+                format_bytes(private),
+                format_bytes(share),
+                format_bytes(limit),
             )
             self.last_terminated_pid = process.pid
             nanny.log_event(
