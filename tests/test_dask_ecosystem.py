@@ -11,6 +11,7 @@ import warnings
 import dask.config
 import pytest
 import yaml
+from clusters import process_cluster
 
 from dask_shm import compat
 from dask_shm.config import (
@@ -257,3 +258,46 @@ def test_a_removed_process_memory_hook_is_detected(monkeypatch):
     monkeypatch.delattr(SystemMonitor, "get_process_memory")
     [hook] = compat.missing_hooks()
     assert hook.where == "distributed.system_monitor.SystemMonitor.get_process_memory"
+
+
+def test_first_use_checks_the_dashboard_hook_only_where_the_dashboard_runs():
+    """The first-use check skips the dashboard's hook in a process that has
+    not imported distributed's dashboard (checking would import bokeh), and
+    checks it once the dashboard is imported; ``missing_hooks()`` checks it
+    always."""
+    script = """
+import sys
+import dask_shm.compat as compat
+import distributed.dashboard.scheduler as dashboard
+del sys.modules["distributed.dashboard.core"]
+dashboard.template_variables = lambda *a, **k: {}  # the hook is gone
+page = ["the dashboard's shared-memory page"]
+assert compat.missing_hooks(in_use=True) == []
+assert [h.used_by for h in compat.missing_hooks()] == page
+import distributed.dashboard.core
+assert [h.used_by for h in compat.missing_hooks(in_use=True)] == page
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def _imported_bokeh() -> bool:
+    return any(name == "bokeh" or name.startswith("bokeh.") for name in sys.modules)
+
+
+def test_a_shared_mode_worker_does_not_import_bokeh(shm_dir):
+    """Workers serve no dashboard; dask-shm must not load one into each of
+    them (bokeh and distributed's dashboard: ~19 MiB of every worker's
+    memory, measured on the dev box)."""
+    config = {
+        "distributed.worker.preload": ["dask_shm"],
+        "distributed.nanny.preload": ["dask_shm"],
+        "shm.shared-memory.enabled": True,
+        "shm.shared-memory.root": shm_dir,
+    }
+    with process_cluster(1, "1 GiB", config) as client:
+        kinds = client.run(lambda dask_worker: type(dask_worker.data).__name__)
+        assert list(kinds.values()) == ["SharedSpillBuffer"]
+        assert list(client.run(_imported_bokeh).values()) == [False]

@@ -19,6 +19,7 @@ check here: an import of a name that is gone fails with ImportError.
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -29,11 +30,15 @@ class DistributedCompatibilityWarning(UserWarning):
 
 
 class Hook(NamedTuple):
-    """An internal we rely on: where it is, who uses it, and a test."""
+    """An internal we rely on: where it is, who uses it, and a test.
+    ``needs``: a module that a process using the hooked feature has imported
+    already; a process without it is not checked at first use (the check
+    would import it: distributed's dashboard costs a worker ~19 MiB of bokeh)."""
 
     where: str
     used_by: str
     present: Callable[[], bool]
+    needs: str = ""
 
 
 def _code_mentions(func: object, name: str) -> bool:
@@ -226,6 +231,8 @@ HOOKS: tuple[Hook, ...] = (
         "list is every page's nav bar)",
         "the dashboard's shared-memory page",
         _dashboard_page,
+        # A dashboard's scheduler imported it; the page checks again at setup.
+        needs="distributed.dashboard.core",
     ),
     Hook(
         "distributed.worker.Worker._pending_plugins (set up after the preloads)",
@@ -245,11 +252,14 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 
-def missing_hooks() -> list[Hook]:
+def missing_hooks(*, in_use: bool = False) -> list[Hook]:
     """The hooks this distributed lacks (a check that fails to run counts
-    as missing)."""
+    as missing). ``in_use``: only those this process can use now, leaving
+    out a hook whose :attr:`Hook.needs` module is not imported."""
     missing = []
     for hook in HOOKS:
+        if in_use and hook.needs and hook.needs not in sys.modules:
+            continue
         try:
             ok = hook.present()
         except Exception:
@@ -274,9 +284,9 @@ def describe(missing: list[Hook]) -> str:
 
 
 def warn_if_hooks_missing() -> list[Hook]:
-    """Warn once (DistributedCompatibilityWarning) if any hook is missing;
-    returns the missing hooks."""
-    missing = missing_hooks()
+    """Warn once (DistributedCompatibilityWarning) if any hook this process
+    can use is missing (:func:`missing_hooks` ``in_use``); returns those."""
+    missing = missing_hooks(in_use=True)
     if missing:
         warnings.warn(describe(missing), DistributedCompatibilityWarning, stacklevel=2)
     return missing
