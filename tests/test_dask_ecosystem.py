@@ -289,7 +289,7 @@ def _imported_bokeh() -> bool:
 
 def test_a_shared_mode_worker_does_not_import_bokeh(shm_dir):
     """Workers serve no dashboard; dask-shm must not load one into each of
-    them (bokeh and distributed's dashboard: ~19 MiB of every worker's
+    them (bokeh and distributed's dashboard: ~18 MiB of every worker's
     memory, measured on the dev box)."""
     config = {
         "distributed.worker.preload": ["dask_shm"],

@@ -33,7 +33,7 @@ class Hook(NamedTuple):
     """An internal we rely on: where it is, who uses it, and a test.
     ``needs``: a module that a process using the hooked feature has imported
     already; a process without it is not checked at first use (the check
-    would import it: distributed's dashboard costs a worker ~19 MiB of bokeh)."""
+    would import it: distributed's dashboard costs a worker ~18 MiB with bokeh)."""
 
     where: str
     used_by: str
