@@ -12,6 +12,7 @@ import dask.config
 import pytest
 import yaml
 from clusters import process_cluster
+from p2p_workload import shared_config
 
 from dask_shm import compat
 from dask_shm.config import (
@@ -291,13 +292,7 @@ def test_a_shared_mode_worker_does_not_import_bokeh(shm_dir):
     """Workers serve no dashboard; dask-shm must not load one into each of
     them (bokeh and distributed's dashboard: ~18 MiB of every worker's
     memory, measured on the dev box)."""
-    config = {
-        "distributed.worker.preload": ["dask_shm"],
-        "distributed.nanny.preload": ["dask_shm"],
-        "shm.shared-memory.enabled": True,
-        "shm.shared-memory.root": shm_dir,
-    }
-    with process_cluster(1, "1 GiB", config) as client:
+    with process_cluster(1, "1 GiB", shared_config(shm_dir)) as client:
         kinds = client.run(lambda dask_worker: type(dask_worker.data).__name__)
         assert list(kinds.values()) == ["SharedSpillBuffer"]
         assert list(client.run(_imported_bokeh).values()) == [False]
