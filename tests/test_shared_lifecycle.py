@@ -113,13 +113,14 @@ def test_rebalance_moves_values_to_the_idle_worker(cluster):
     a, b = worker_addresses(client)
     futures = values_on(client, a)
     # rebalance decides from the process memory the scheduler last heard of
-    # (the values' sizes it knows at once): wait until a heartbeat has it.
+    # (the values' sizes it knows at once): wait until a heartbeat has all
+    # of them on top of an interpreter's own (60 MiB or more).
     deadline = time.monotonic() + 30
     while (
         client.run_on_scheduler(
             lambda dask_scheduler, a=a: dask_scheduler.workers[a].memory.process
         )
-        < N_VALUES * VALUE_BYTES
+        < N_VALUES * VALUE_BYTES + 40 * MiB
     ):
         assert time.monotonic() < deadline, "the scheduler never heard of the values"
         time.sleep(0.1)

@@ -15,7 +15,7 @@ import pytest
 from distributed import KilledWorker, wait
 
 from dask_shm.shared import SharedSpillBuffer, shm_metrics
-from dask_shm.shared.relief import Tier2Relief
+from dask_shm.shared.relief import SPILL_RECHECK, Tier2Relief
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from clusters import process_cluster  # noqa: E402
@@ -118,6 +118,48 @@ def test_stop_gives_the_budget_back(tier2_buffer):
     assert buf.store.tiers.tier("shared").budget.limit == 40 * MiB
 
 
+def test_a_value_spilled_over_spill_goes_to_disk_at_once(shm_dir, tmp_path):
+    """The cap follows the memory at the moment of a spill, not at the
+    thread's last check: over ``spill`` the value is written to disk once,
+    never to tmpfs first (where, until moved, it would be held twice)."""
+    buf = SharedSpillBuffer.create(
+        20 * MiB,
+        root=shm_dir,
+        disk_root=str(tmp_path / "disk"),
+        budget=40 * MiB,
+        min_size=64 * 1024,
+        min_shared_fraction=0.5,
+    )
+    try:
+        tiers = buf.store.tiers
+        rest = [30 * MiB]  # the worker's memory besides tier 2
+        # No thread: only the buffer's calls set the cap.
+        relief = Tier2Relief(
+            buf, lambda: rest[0] + buf.tier2_bytes(), limit=100 * MiB, spill=0.7, target=0.6
+        )
+        buf.before_spill = relief.before_spill
+        for k in "abc":  # 8 MiB each against a 20 MiB target: "a" spills
+            buf[k] = np.full(MiB, ord(k), dtype="f8")
+        assert tiers.tier_of(buf.store.file_of("a")) == 2
+        assert not relief.capped
+
+        rest[0] = 80 * MiB  # over spill (70 MiB) since the last spill
+        time.sleep(SPILL_RECHECK)
+        buf["d"] = np.full(MiB, ord("d"), dtype="f8")  # "b" spills
+        assert tiers.tier_of(buf.store.file_of("b")) == 3
+        assert relief.capped and relief.episodes == 1
+        assert tiers.tier("shared").budget.limit == 0
+        assert relief.moved_bytes == 0, "nothing went through tmpfs on its way to disk"
+        for k in "abcd":
+            np.testing.assert_array_equal(buf[k], np.full(MiB, ord(k), dtype="f8"))
+
+        relief.stop()
+        assert buf.before_spill is None
+        assert tiers.tier("shared").budget.limit == 40 * MiB
+    finally:
+        buf.close()
+
+
 def test_thresholds_are_checked():
     with pytest.raises(ValueError, match="target"):
         Tier2Relief(None, int, limit=GiB, spill=0.6, target=0.7)  # type: ignore[arg-type]
@@ -172,6 +214,11 @@ def test_a_full_tier2_does_not_get_a_worker_restarted_that_stock_keeps(shm_dir, 
         if mode == "shared":
             (before,) = client.run(shm_metrics).values()
             assert before["shared_bytes"] >= 0.9 * VALUES * VALUE, before
+            # Spills ask the relief for the cap of the moment.
+            (wired,) = client.run(
+                lambda dask_worker: dask_worker.data.before_spill is not None
+            ).values()
+            assert wired
         grown = client.submit(_grow_private_memory, 0.82, LIMIT, pure=False).result(timeout=120)
         assert grown > 300 * MiB
         assert not client.get_events("worker-restart-memory")

@@ -142,6 +142,12 @@ class SharedSpillBuffer(SpillBuffer):
         self.max_mapped = mapped_values_bound() if max_mapped is None else max_mapped
         #: mapped values sent back to their files to stay within ``max_mapped``
         self.unmapped = 0
+        #: called right before a value in memory is written out to make room,
+        #: so that tier 2's budget can follow the worker's memory at that
+        #: moment (see :mod:`~dask_shm.shared.relief`); it runs in the thread
+        #: holding the operation lock, so it may call this buffer's methods
+        #: but must not wait for another thread that needs them
+        self.before_spill: Callable[[], None] | None = None
         #: transfers by hard link and their fallbacks
         self.shm_counters: defaultdict[str, int] = defaultdict(int)
         self._arrivals: dict[str, list[_Arrival]] = {}
@@ -418,6 +424,8 @@ class SharedSpillBuffer(SpillBuffer):
     def fast_to_slow(self, key: Key, value: object) -> None:
         if self.store.release(key, value):
             return  # its file is still there: nothing to write
+        if self.before_spill is not None:
+            self.before_spill()
         super().fast_to_slow(key, value)
 
     def check_readable(self, key: Key) -> None:

@@ -23,12 +23,21 @@ and the nanny would restart at ``terminate`` a worker that stock keeps.
 Files mapped by values in memory (pinned) stay: distributed's eviction of
 those values unpins them, and the next check moves them. Between ``target``
 and ``spill`` the cap stays as it is (stock's hysteresis).
+
+The cap is also set right before the buffer writes a value out to make room
+(:meth:`Tier2Relief.before_spill`, at most every :data:`SPILL_RECHECK`
+seconds): a value spilled while the worker is over ``spill`` then goes to
+disk at once, as stock's does. Left to the thread, it could be written to
+tmpfs and moved to disk a moment later: written twice, and for the time of
+the first write held twice in RAM (its private copy and its tmpfs file),
+which is above stock's peak, since stock's copy goes to the page cache.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -46,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 #: bytes moved per hold of the buffer's operation lock
 STEP = 16 * 2**20
+#: seconds a cap set by :meth:`Tier2Relief.before_spill` stands for the next
+#: spills (each check reads the process's memory: about 25 us)
+SPILL_RECHECK = 0.01
 
 
 class Tier2Relief:
@@ -85,6 +97,11 @@ class Tier2Relief:
         #: times tier 2 was capped, and bytes moved to the next tier by relief
         self.episodes = 0
         self.moved_bytes = 0
+        # Guards the fields above. Taken only after the buffer's locks are
+        # released (never around a call into the buffer): the buffer calls
+        # before_spill with its own locks held.
+        self._state_lock = threading.Lock()
+        self._cap_checked = -SPILL_RECHECK
 
     def start(self) -> Tier2Relief:
         self._thread.start()
@@ -92,6 +109,8 @@ class Tier2Relief:
 
     def stop(self) -> None:
         """End the thread and give tier 2 its configured budget back."""
+        if self._buffer.before_spill == self.before_spill:
+            self._buffer.before_spill = None
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -102,6 +121,18 @@ class Tier2Relief:
     def check(self) -> int:
         """One check: set tier 2's cap from the worker's memory now and move
         what is over it. Returns the bytes moved."""
+        if not self.update_cap():
+            return 0
+        moved = 0
+        while not self._stop.is_set() and (step := self._buffer.relieve_tier2(STEP)):
+            moved += step
+        self.moved_bytes += moved
+        return moved
+
+    def update_cap(self) -> bool:
+        """Set tier 2's cap from the worker's memory now (moves nothing);
+        False when the cap stays as it is (between ``target`` and ``spill``,
+        or below ``target`` with no cap)."""
         memory = self._memory()
         rest = memory - self._buffer.tier2_bytes()
         room = self.target_bytes - rest
@@ -110,14 +141,16 @@ class Tier2Relief:
         elif self.capped and memory < self.target_bytes:
             cap = room
         else:
-            return 0
+            return False
         ceiling = self._buffer.store.tiers.first_ceiling
         if cap is not None and cap >= ceiling:
             cap = None
         budget = self._buffer.cap_tier2(cap)
-        was_capped, self.capped = self.capped, cap is not None
+        with self._state_lock:
+            was_capped, self.capped = self.capped, cap is not None
+            if self.capped and not was_capped:
+                self.episodes += 1
         if self.capped and not was_capped:
-            self.episodes += 1
             logger.info(
                 "dask-shm: worker memory %s is over %s (spill): tier 2 capped at %s of %s, "
                 "its least recently used files move to disk",
@@ -128,11 +161,19 @@ class Tier2Relief:
             )
         elif was_capped and not self.capped:
             logger.info("dask-shm: tier 2 back to its budget of %s", format_bytes(budget))
-        moved = 0
-        while not self._stop.is_set() and (step := self._buffer.relieve_tier2(STEP)):
-            moved += step
-        self.moved_bytes += moved
-        return moved
+        return True
+
+    def before_spill(self) -> None:
+        """Called by the buffer right before it writes a value out to make
+        room: sets the cap from the memory now, unless it was set less than
+        :data:`SPILL_RECHECK` seconds ago by this call, so that the value
+        goes where the thread's next check would have left it."""
+        now = time.monotonic()
+        with self._state_lock:
+            if now - self._cap_checked < SPILL_RECHECK:
+                return
+            self._cap_checked = now
+        self.update_cap()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval) and self._alive():
@@ -160,7 +201,7 @@ def start_for_worker(worker: Worker, buffer: SharedSpillBuffer) -> Tier2Relief |
         w = worker_ref()
         return 0 if w is None else int(w.monitor.get_process_memory())
 
-    return Tier2Relief(
+    tier2_relief = Tier2Relief(
         buffer,
         memory,
         limit=limit,
@@ -168,4 +209,6 @@ def start_for_worker(worker: Worker, buffer: SharedSpillBuffer) -> Tier2Relief |
         target=min(manager.memory_target_fraction or spill, spill),
         interval=manager.memory_monitor_interval or 0.1,
         alive=worker_alive(worker),
-    ).start()
+    )
+    buffer.before_spill = tier2_relief.before_spill
+    return tier2_relief.start()
