@@ -153,6 +153,13 @@ def test_a_value_spilled_over_spill_goes_to_disk_at_once(shm_dir, tmp_path):
         for k in "abcd":
             np.testing.assert_array_equal(buf[k], np.full(MiB, ord(k), dtype="f8"))
 
+        # A check that fails leaves the cap as it is and the spill goes on.
+        rest[0] = None  # memory() now raises TypeError
+        time.sleep(SPILL_RECHECK)
+        buf["e"] = np.full(MiB, ord("e"), dtype="f8")  # "c" spills
+        assert tiers.tier_of(buf.store.file_of("c")) == 3
+        np.testing.assert_array_equal(buf["c"], np.full(MiB, ord("c"), dtype="f8"))
+
         relief.stop()
         assert buf.before_spill is None
         assert tiers.tier("shared").budget.limit == 40 * MiB

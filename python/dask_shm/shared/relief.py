@@ -167,13 +167,17 @@ class Tier2Relief:
         """Called by the buffer right before it writes a value out to make
         room: sets the cap from the memory now, unless it was set less than
         :data:`SPILL_RECHECK` seconds ago by this call, so that the value
-        goes where the thread's next check would have left it."""
+        goes where the thread's next check would have left it. Never raises:
+        a failed check leaves the cap to the thread, and the spill goes on."""
         now = time.monotonic()
         with self._state_lock:
             if now - self._cap_checked < SPILL_RECHECK:
                 return
             self._cap_checked = now
-        self.update_cap()
+        try:
+            self.update_cap()
+        except Exception:  # a closed buffer, a vanished directory
+            logger.debug("dask-shm: tier-2 cap before a spill", exc_info=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval) and self._alive():
