@@ -28,16 +28,22 @@ GiB = 2**30
 # --- the policy, on a real buffer in one process ---------------------------------
 
 
-@pytest.fixture
-def tier2_buffer(shm_dir, tmp_path):
-    buf = SharedSpillBuffer.create(
-        0,  # everything goes to files
-        root=shm_dir,
+def _buffer(target: int, root: str, tmp_path) -> SharedSpillBuffer:
+    """A shared buffer of ``target`` bytes in memory, tier 2 of 40 MiB in
+    ``root``, tier 3 below ``tmp_path``."""
+    return SharedSpillBuffer.create(
+        target,
+        root=root,
         disk_root=str(tmp_path / "disk"),
         budget=40 * MiB,
         min_size=64 * 1024,
         min_shared_fraction=0.5,
     )
+
+
+@pytest.fixture
+def tier2_buffer(shm_dir, tmp_path):
+    buf = _buffer(0, shm_dir, tmp_path)  # everything goes to files
     yield buf
     buf.close()
 
@@ -122,14 +128,7 @@ def test_a_value_spilled_over_spill_goes_to_disk_at_once(shm_dir, tmp_path):
     """The cap follows the memory at the moment of a spill, not at the
     thread's last check: over ``spill`` the value is written to disk once,
     never to tmpfs first (where, until moved, it would be held twice)."""
-    buf = SharedSpillBuffer.create(
-        20 * MiB,
-        root=shm_dir,
-        disk_root=str(tmp_path / "disk"),
-        budget=40 * MiB,
-        min_size=64 * 1024,
-        min_shared_fraction=0.5,
-    )
+    buf = _buffer(20 * MiB, shm_dir, tmp_path)
     try:
         tiers = buf.store.tiers
         rest = [30 * MiB]  # the worker's memory besides tier 2
