@@ -97,8 +97,9 @@ class Tier2Relief:
         #: times tier 2 was capped, and bytes moved to the next tier by relief
         self.episodes = 0
         self.moved_bytes = 0
-        # Guards the fields above. Taken only after the buffer's locks are
-        # released (never around a call into the buffer): the buffer calls
+        # Guards capped, episodes and _cap_checked, which the thread and a
+        # spilling thread both update (moved_bytes is the thread's alone).
+        # Never held around a call into the buffer: the buffer calls
         # before_spill with its own locks held.
         self._state_lock = threading.Lock()
         self._cap_checked = -SPILL_RECHECK
