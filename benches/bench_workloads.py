@@ -44,6 +44,9 @@ it goes, with the load average):
   mode frees tmpfs pages to the kernel, stock's heaps keep theirs);
 - ``loopback_bytes``: bytes sent on ``lo`` during the compute;
 - ``link_bytes``: bytes the workers handed over by hard link (0 for stock);
+- ``p2p_file_bytes``: bytes of P2P shard batches handed to a peer as a file
+  (0 for stock; a shuffle's or rechunk's shards, which ``link_bytes`` does
+  not count);
 - ``born_shared``: whether the workers allocate arrays born shared
   (False for stock);
 - ``pcp_high_fraction``: ``vm.percpu_pagelist_high_fraction`` as the bench
@@ -214,8 +217,10 @@ def loopback_sent() -> int:
     return int(psutil.net_io_counters(pernic=True)["lo"].bytes_sent)
 
 
-def _link_bytes(dask_worker: Any) -> float:
-    return shm_metrics(dask_worker)["link_bytes"]
+def _handed_over(dask_worker: Any) -> tuple[float, float]:
+    """Bytes handed over by link and P2P shard bytes handed over by file."""
+    figures = shm_metrics(dask_worker)
+    return figures["link_bytes"], figures["p2p_file_bytes"]
 
 
 def _born_shared() -> bool:
@@ -266,7 +271,9 @@ def test_workload(
 
             benchmark.pedantic(compute, rounds=1, iterations=1)
         loopback = loopback_sent() - lo0
-        link = sum(client.run(_link_bytes).values())
+        handed = client.run(_handed_over).values()
+        link = sum(h[0] for h in handed)
+        p2p_file = sum(h[1] for h in handed)
     result = results[0]
     figures = {f"{name}_bytes": peak.increase(field) for field, name in FIELDS.items()}
     host = host_used(peak.peak) - host_used(peak.before)
@@ -277,6 +284,7 @@ def test_workload(
         "host_less_percpu_bytes": host - figures["percpu_free_bytes"],
         "loopback_bytes": loopback,
         "link_bytes": int(link),
+        "p2p_file_bytes": int(p2p_file),
         "born_shared": born,
         "pcp_high_fraction": pcp_high_fraction,
         "result": result,
@@ -296,7 +304,8 @@ def test_workload(
         f"  slab {mib['slab_bytes']:4.0f}  mapped {mib['mapped_bytes']:5.0f}"
         f"  dirty {mib['dirty_bytes']:4.0f}  pcp {mib['percpu_free_bytes']:5.0f}"
         f"  outside {mib['outside_bytes']:5.0f}  host-pcp {mib['host_less_percpu_bytes']:6.0f}"
-        f"  lo {mib['loopback_bytes']:6.0f}  link {mib['link_bytes']:6.0f} MiB"
+        f"  lo {mib['loopback_bytes']:6.0f}  link {mib['link_bytes']:6.0f}"
+        f"  p2p-file {mib['p2p_file_bytes']:6.0f} MiB"
         f"  equal {info.get('equal_to_stock', '-')}  born {born}  load {info['load_average']}"
         f"  pcp-fraction {pcp_high_fraction}"
     )
