@@ -446,25 +446,63 @@ class SharedSpillBuffer(SpillBuffer):
         whose number is not in ``tiers`` (default: any linkable tier; the peer
         does not share that root; a value in memory is written out only when
         it can share the first tier), or writing/linking fails (the caller
-        then sends bytes)."""
+        then sends bytes).
+
+        The value's bytes are copied into the file without the buffer's
+        locks: a worker's event loop reads, stores and deletes keys meanwhile
+        (the copy of a large value takes milliseconds per MiB on 4 KiB tmpfs
+        pages). If the key changed in the meantime (deleted, replaced,
+        spilled), the new file is dropped and what the key is now decides; if
+        the buffer closed, the file is dropped and None returned."""
         with self._operation_lock:
             store = self.store
             with self.lock:
                 try:
-                    if store.file_of(key) is None:
-                        first = store.tiers.tiers[0].number
-                        if key not in self.fast or (tiers is not None and first not in tiers):
-                            return None
-                        if not store.write(key, self.fast.d[key], only_shared=True):
-                            return None  # not worth sharing: it goes as bytes, as in stock
-                        del self.fast[key]
-                        # The private copy is gone (unless a task still holds
-                        # it): pyarrow's pool would keep its pages.
-                        arrow_pool.release_unused()
-                    return store.export(key, tiers)
+                    if store.file_of(key) is not None:
+                        return store.export(key, tiers)
+                    first = store.tiers.tiers[0].number
+                    if key not in self.fast or (tiers is not None and first not in tiers):
+                        return None
+                    value = self.fast.d[key]
+                    if store.write_born(key, value):  # no copy: under the locks
+                        return self._exported(key, tiers)
                 except (MaxSpillExceeded, PickleError, OSError) as e:
-                    logger.info("dask-shm: cannot hand %r over by hard link: %s", key, e)
-                    return None
+                    return self._not_exported(key, e)
+        try:
+            name = store.write_file(key, value, only_shared=True)
+        except (MaxSpillExceeded, PickleError, OSError) as e:
+            return self._not_exported(key, e)
+        if name is None:
+            return None  # not worth sharing: it goes as bytes, as in stock
+        with self._operation_lock:
+            with self.lock:
+                try:
+                    if self._closed:
+                        store.drop_file(name)
+                        return None
+                    if self.fast.d.get(key) is not value:
+                        store.drop_file(name)
+                        if store.file_of(key) is None:
+                            return None
+                        return store.export(key, tiers)
+                    store.register_file(key, name)
+                    return self._exported(key, tiers)
+                except (MaxSpillExceeded, PickleError, OSError) as e:
+                    return self._not_exported(key, e)
+
+    def _exported(self, key: Key, tiers: Collection[int] | None) -> Handle | None:
+        """``key``'s value was just written to its file: drop the private
+        copy and link the file out. Under both locks."""
+        del self.fast[key]
+        # The private copy is gone (unless a task still holds it): pyarrow's
+        # pool would keep its pages.
+        arrow_pool.release_unused()
+        return self.store.export(key, tiers)
+
+    @staticmethod
+    def _not_exported(key: Key, e: Exception) -> None:
+        logger.info("dask-shm: cannot hand %r over by hard link: %s", key, e)
+        return None
 
     def receive(self, handle: Handle) -> object:
         """The value a peer's handle names, backed by one validated hard link

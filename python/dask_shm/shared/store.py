@@ -163,33 +163,60 @@ class SharedSpillStore(SpillStore):
         not worth sharing (see ``min_size``) is not: it is serialized to tell,
         and nothing else happens. Raises PickleError, MaxSpillExceeded or
         OSError."""
-        # An array born shared is already in a file: only its header is written.
+        if self.write_born(key, value):
+            return True
+        name = self.write_file(key, value, only_shared=only_shared)
+        if name is None:
+            return False
+        self.register_file(key, name)
+        return True
+
+    def write_born(self, key: Key, value: object) -> bool:
+        """If ``value`` is an array born shared, make its block ``key``'s file
+        (only a header is written) and return True; else False, nothing
+        done. Raises MaxSpillExceeded or OSError (see :meth:`adopt_born`)."""
         start = perf_counter()
         name = self.adopt_born(key, value)
-        if name is not None:
-            self._digest_write(perf_counter() - start, born.header_size())
-            # The born file is ours now: read-only, and its fingerprint is the
-            # one later reads are checked against.
-            self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
-            self._private_cache.pop(key, None)
-            self._register(key, name)
-            return True
+        if name is None:
+            return False
+        self._digest_write(perf_counter() - start, born.header_size())
+        # The born file is ours now: read-only, and its fingerprint is the
+        # one later reads are checked against.
+        self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
+        self.register_file(key, name)
+        return True
+
+    def write_file(self, key: Key, value: object, *, only_shared: bool = False) -> str | None:
+        """A new sealed file holding ``value``, accounted but no key's yet
+        (:meth:`register_file` makes it ``key``'s, :meth:`drop_file` deletes
+        it); None when ``only_shared`` and the value is not worth sharing
+        (nothing written). Needs no lock of the caller's: it reads ``value``
+        and touches only the new file (the copy releases the GIL). Raises
+        PickleError, MaxSpillExceeded or OSError."""
         header, frames, shareable = self._prepare(key, value)
         if shareable is None:
             if only_shared:
-                return False
+                return None
             if self._compression:  # read back by copy: compressed, as stock spills
                 with context_meter.add_callback(self._record):  # stock's compress meter
                     header, frames = compress_frames(header, frames, self._compression)
         name = self._write(key, [pack_header(header), *frames], safe_sizeof(value))
         del frames
         arrow_pool.release_unused()  # serialization's temporary copies, if any
-        self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
+        try:
+            self.fingerprints[name] = integrity.seal(str(self.files.path(name)))
+        except OSError:
+            self._forget_file(name)
+            raise
         if shareable is not None:
             self.shareable[name] = shareable
+        return name
+
+    def register_file(self, key: Key, name: str) -> None:
+        """File ``name`` (from :meth:`write_file` or :meth:`write_born`) is
+        now ``key``'s spilled copy; a file ``key`` had before is deleted."""
         self._private_cache.pop(key, None)
         self._register(key, name)
-        return True
 
     def adopt_born(self, key: Key, value: object) -> str | None:
         """Turn ``value``'s block into this store's file for ``key`` without

@@ -225,6 +225,8 @@ class TieredFiles:
         #: name here -> (index in ``tiers``, name in its store), for every
         #: entry not in the first tier
         self._placed: dict[str, tuple[int, str]] = {}
+        #: writes in flight so far (names their budget reservations)
+        self._reservations = 0
         #: files moved to a later tier, and their bytes
         self.moves = 0
         self.moved_bytes = 0
@@ -392,33 +394,71 @@ class TieredFiles:
     ) -> tuple[str, int] | None:
         """Write a new entry into the first tier its budget fits (no file is
         written twice). Same contract as ``FileStore.put``; ``max_disk``
-        bounds all tiers together."""
+        bounds all tiers together (two writes racing into different tiers
+        may pass it by one file).
+
+        The bytes are copied without the lock: the tier's budget holds the
+        room for them meanwhile (a pinned reservation, which no move picks),
+        so a long write does not stall the other threads' reads, deletes and
+        moves."""
         frames = list(frames)
         size = sum(memoryview(f).nbytes for f in frames) + _FRAME_OVERHEAD * (len(frames) + 1)
         with self._lock:
             self.enforce()
-            for index, tier in enumerate(self.tiers):
-                budget = tier.budget
-                if budget is not None and budget.used + size > budget.limit:
-                    continue
+        index = 0
+        while True:
+            with self._lock:
+                index = self._fitting(index, size)
+                tier = self.tiers[index]
                 rest = None if max_disk is None else max(0, max_disk - self._others_disk(index))
-                try:
-                    stored = tier.store.put(stem, frames, memory, rest)
-                except OSError as e:
-                    if budget is None or not _is_full(e):
+                reservation = self._reserve(tier, size)
+            try:
+                stored = tier.store.put(stem, frames, memory, rest)
+            except OSError as e:
+                with self._lock:
+                    self._unreserve(tier, reservation)
+                    if tier.budget is None or not _is_full(e):
                         raise
                     self._on_full(index, e)
-                    continue
+                index += 1
+                continue
+            with self._lock:
+                self._unreserve(tier, reservation)
                 if stored is None:
                     return None
                 name = self._entry_name(index, stored[0])
-                if budget is not None:
-                    budget.add(name, stored[1])
+                if tier.budget is not None:
+                    tier.budget.add(name, stored[1])
                 if index > 0:
                     self._placed[name] = (index, stored[0])
                     self.overflow_writes += 1
                 return name, stored[1]
-            raise AssertionError("the last tier is unbounded")
+
+    def _fitting(self, start: int, size: int) -> int:
+        """Index of the first tier from ``start`` whose budget has room for
+        ``size`` more bytes (the last tier has no budget)."""
+        for index in range(start, len(self.tiers)):
+            budget = self.tiers[index].budget
+            if budget is None or budget.used + size <= budget.limit:
+                return index
+        raise AssertionError("the last tier is unbounded")
+
+    def _reserve(self, tier: FileTier, size: int) -> str | None:
+        """Hold ``size`` bytes of ``tier``'s budget for a write in flight;
+        the reservation's name, None for a tier without a budget."""
+        if tier.budget is None:
+            return None
+        self._reservations += 1
+        # "\0" never occurs in a file name: no entry can be called this.
+        name = f"\0writing-{self._reservations}"
+        tier.budget.add(name, size)
+        tier.budget.pin(name)
+        return name
+
+    @staticmethod
+    def _unreserve(tier: FileTier, reservation: str | None) -> None:
+        if reservation is not None and tier.budget is not None:
+            tier.budget.remove(reservation)
 
     def _others_disk(self, index: int) -> int:
         return sum(int(t.store.total()[1]) for i, t in enumerate(self.tiers) if i != index)
