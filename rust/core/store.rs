@@ -619,19 +619,20 @@ impl FileStore {
         let Some((sizes, private)) = self.ledger().remove_entry(name) else {
             return Ok(None);
         };
-        self.pool_or_delete(&self.path_of(name), private)?;
+        self.pool_or_delete(&self.path_of(name), private, sizes.disk)?;
         Ok(Some(sizes))
     }
 
     /// Keep the file at `path` for reuse if `may_pool` and the pool takes it
-    /// (see `recycle`), else delete it (a missing file is not an error).
+    /// (see `recycle`), else delete it (a missing file is not an error; a
+    /// deferring store hands a file of `bytes` to `unlinker::unlink_sized`).
     /// Returns whether it was pooled.
-    fn pool_or_delete(&self, path: &Path, may_pool: bool) -> io::Result<bool> {
+    fn pool_or_delete(&self, path: &Path, may_pool: bool, bytes: u64) -> io::Result<bool> {
         if may_pool && self.pool.is_some() && self.recycle(path) {
             return Ok(true);
         }
         if self.defer_deletes {
-            return unlinker::unlink_paced(path.to_path_buf()).map(|()| false);
+            return unlinker::unlink_sized(path.to_path_buf(), bytes).map(|()| false);
         }
         match fs::remove_file(path) {
             Ok(()) => Ok(false),
@@ -655,7 +656,7 @@ impl FileStore {
     pub fn give_for_reuse(&self, name: &str) -> io::Result<bool> {
         check_name(name)?;
         self.ledger().remove_entry(name);
-        self.pool_or_delete(&self.path_of(name), true)
+        self.pool_or_delete(&self.path_of(name), true, 0)
     }
 
     /// Accounted sizes of one entry (disk split among its last known number
