@@ -7,6 +7,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dask
 import pytest
@@ -22,6 +23,20 @@ def shm_dir() -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_buffer_256mib(shm_dir: str, tmp_path: Path) -> Iterator[Any]:
+    """A SharedSpillBuffer with a 256 MiB target on a fresh root (tier 3 in
+    ``tmp_path``), closed afterwards; receiving is switched off again."""
+    from dask_shm.shared import SharedSpillBuffer, transfer
+
+    settings = {"shm.shared-memory.root": shm_dir, "shm.shared-memory.disk-root": str(tmp_path)}
+    with dask.config.set(settings):
+        buf = SharedSpillBuffer.from_config(256 * 2**20)
+        yield buf
+        buf.close()
+    transfer.enable_receiving(None)
 
 
 @pytest.fixture

@@ -10,13 +10,12 @@ import os
 import threading
 from typing import Any
 
-import dask
 import numpy as np
 import pytest
 from distributed.protocol.serialize import Serialize, to_serialize
 from distributed.utils import offload
 
-from dask_shm.shared import SharedSpillBuffer, transfer
+from dask_shm.shared import SharedSpillBuffer
 from dask_shm.shared.sender import OFFLOAD_KEYS, _HandleSwappingComm
 from dask_shm.shared.store import Handle
 
@@ -24,13 +23,8 @@ MB = 2**20
 
 
 @pytest.fixture
-def buffer(shm_dir, tmp_path):
-    settings = {"shm.shared-memory.root": shm_dir, "shm.shared-memory.disk-root": str(tmp_path)}
-    with dask.config.set(settings):
-        buf = SharedSpillBuffer.from_config(256 * MB)
-        yield buf
-        buf.close()
-    transfer.enable_receiving(None)
+def buffer(shared_buffer_256mib):
+    return shared_buffer_256mib
 
 
 class RecordingComm:

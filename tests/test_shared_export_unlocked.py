@@ -11,24 +11,18 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import dask
 import numpy as np
 import pytest
 
 from dask_shm._core import flush_deletes
-from dask_shm.shared import SharedSpillBuffer, transfer
+from dask_shm.shared import SharedSpillBuffer
 
 MB = 2**20
 
 
 @pytest.fixture
-def buf(shm_dir, tmp_path):
-    settings = {"shm.shared-memory.root": shm_dir, "shm.shared-memory.disk-root": str(tmp_path)}
-    with dask.config.set(settings):
-        buffer = SharedSpillBuffer.from_config(256 * MB)
-        yield buffer
-        buffer.close()
-    transfer.enable_receiving(None)
+def buf(shared_buffer_256mib):
+    return shared_buffer_256mib
 
 
 def during_the_copy(
