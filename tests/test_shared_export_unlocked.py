@@ -181,3 +181,31 @@ def test_an_export_finishing_after_close_leaves_no_file(monkeypatch, buf):
     during_the_copy(monkeypatch, buf, buf.close)
     assert buf.export("x") is None
     assert files(buf) == []
+
+
+def test_a_write_that_fails_gives_its_room_back(shm_dir, tmp_path):
+    buf = SharedSpillBuffer.create(
+        64 * MB,
+        root=shm_dir,
+        disk_root=str(tmp_path),
+        budget=32 * MB,
+        min_size=64 * 1024,
+        min_shared_fraction=0.5,
+    )
+    tiers = buf.store.tiers
+    with pytest.raises(OSError):
+        tiers.put("no/slashes", [np.ones(8)], 64)  # an invalid name: the store refuses it
+    assert tiers.tiers[0].budget.used == 0
+    first = tiers.tiers[0]
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    object.__setattr__(first, "store", _StoreCallingBack(first.store, interrupted))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tiers.put("interrupted", [np.ones(8)], 64)
+    finally:
+        object.__setattr__(first, "store", first.store._store)
+    assert first.budget.used == 0 and len(first.budget) == 0  # no reservation left
+    buf.close()

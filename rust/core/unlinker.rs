@@ -229,9 +229,8 @@ mod tests {
         })
         .join()
         .unwrap();
-        // The large delete spent none of the thread's budget (it may have
-        // refilled a little: it is capped at BURST); the small one, done in
-        // place, spent some and is gone already.
+        // The large delete left the thread's budget full (BURST); the small
+        // one, done in place, spent some of it and is gone already.
         assert!(after_large.abs() < 1e-9, "budget spent: {after_large}");
         assert!(after_small < BURST.as_secs_f64());
         assert!(!small.exists());

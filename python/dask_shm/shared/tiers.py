@@ -414,10 +414,10 @@ class TieredFiles:
                 reservation = self._reserve(tier, size)
             try:
                 stored = tier.store.put(stem, frames, memory, rest)
-            except OSError as e:
+            except BaseException as e:
                 with self._lock:
                     self._unreserve(tier, reservation)
-                    if tier.budget is None or not _is_full(e):
+                    if not isinstance(e, OSError) or tier.budget is None or not _is_full(e):
                         raise
                     self._on_full(index, e)
                 index += 1
