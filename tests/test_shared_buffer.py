@@ -512,6 +512,7 @@ def test_many_threads_keep_values_and_accounting_consistent(root):
     for t in threads:
         t.join()
     assert not errors, errors[:3]
+    flush_deletes()  # files of 1 MiB or more are deleted on the unlinking thread
     store = store_of(buf)
     names = set(store.filenames.values()) | {r.name for r in store.retained.values()}
     assert names == set(os.listdir(buf.spill_directory))

@@ -4,11 +4,13 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_int;
+use std::mem::ManuallyDrop;
 use std::os::unix::fs::MetadataExt;
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
+use dask_shm_core::unlinker;
 use memmap2::MmapMut;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
@@ -133,7 +135,8 @@ pub unsafe fn export_bytes(
 /// or tuple of arrays).
 #[pyclass(module = "dask_shm._core", frozen, weakref)]
 pub struct MappedFile {
-    map: MmapMut,
+    /// Taken out only by `drop`.
+    map: ManuallyDrop<MmapMut>,
     path: String,
     /// `(device, inode)` of the file when it was mapped, if it could be seen.
     file_id: Option<(u64, u64)>,
@@ -186,7 +189,7 @@ impl MappedFile {
             }
         });
         MappedFile {
-            map,
+            map: ManuallyDrop::new(map),
             path,
             file_id,
             _token: token,
@@ -206,6 +209,13 @@ impl Drop for MappedFile {
                     table.as_mut().map(|t| t.remove(&id));
                 }
             }
+        }
+        // SAFETY: `map` is taken once, here, and never used again.
+        let map = unsafe { ManuallyDrop::take(&mut self.map) };
+        if map.len() as u64 >= unlinker::DEFER_FROM {
+            // Unmapping costs milliseconds, in the thread that drops the last
+            // reference (often a worker's event loop, with the GIL held).
+            unlinker::release_later(Box::new(map));
         }
     }
 }
