@@ -6,9 +6,10 @@ file left behind. One process, real files in /dev/shm."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -135,10 +136,21 @@ class _StoreCallingBack:
         return getattr(self._store, name)
 
 
-def test_a_write_in_flight_holds_its_room_and_lets_others_delete(shm_dir, tmp_path):
-    """TieredFiles.put copies without its lock: another thread deletes a
-    file meanwhile, and the tier-2 budget counts the write's room until it
-    is accounted under its own name."""
+@contextlib.contextmanager
+def calling_back(tier: Any, during_put: Callable[[], Any]) -> Iterator[None]:
+    """``tier``'s store runs ``during_put`` in each put (FileTier is frozen:
+    its field is swapped as its own dataclass machinery would)."""
+    store = tier.store
+    object.__setattr__(tier, "store", _StoreCallingBack(store, during_put))
+    try:
+        yield
+    finally:
+        object.__setattr__(tier, "store", store)
+
+
+@pytest.fixture
+def budgeted(shm_dir, tmp_path) -> Iterator[SharedSpillBuffer]:
+    """A shared buffer whose tier 2 has a budget of 32 MiB."""
     buf = SharedSpillBuffer.create(
         64 * MB,
         root=shm_dir,
@@ -147,7 +159,15 @@ def test_a_write_in_flight_holds_its_room_and_lets_others_delete(shm_dir, tmp_pa
         min_size=64 * 1024,
         min_shared_fraction=0.5,
     )
-    tiers = buf.store.tiers
+    yield buf
+    buf.close()
+
+
+def test_a_write_in_flight_holds_its_room_and_lets_others_delete(budgeted):
+    """TieredFiles.put copies without its lock: another thread deletes a
+    file meanwhile, and the tier-2 budget counts the write's room until it
+    is accounted under its own name."""
+    tiers = budgeted.store.tiers
     first = tiers.tiers[0]
     budget = first.budget
     old, _ = tiers.put("old", [np.ones(4 * MB // 8)], 4 * MB)
@@ -161,11 +181,8 @@ def test_a_write_in_flight_holds_its_room_and_lets_others_delete(shm_dir, tmp_pa
         seen["blocked"] = t.is_alive()
         seen["used_after_delete"] = budget.used
 
-    object.__setattr__(first, "store", _StoreCallingBack(first.store, another_thread_deletes))
-    try:
+    with calling_back(first, another_thread_deletes):
         new, disk = tiers.put("new", [np.ones(8 * MB // 8)], 8 * MB)
-    finally:
-        object.__setattr__(first, "store", first.store._store)
     assert seen["blocked"] is False
     assert seen["used_during"] >= 4 * MB + 8 * MB  # the old file and the write's room
     assert 8 * MB <= seen["used_after_delete"] < 12 * MB
@@ -173,7 +190,6 @@ def test_a_write_in_flight_holds_its_room_and_lets_others_delete(shm_dir, tmp_pa
     assert tiers.tier_of(new) == first.number
     tiers.delete(new)
     assert budget.used == 0
-    buf.close()
 
 
 def test_an_export_finishing_after_close_leaves_no_file(monkeypatch, buf):
@@ -183,16 +199,8 @@ def test_an_export_finishing_after_close_leaves_no_file(monkeypatch, buf):
     assert files(buf) == []
 
 
-def test_a_write_that_fails_gives_its_room_back(shm_dir, tmp_path):
-    buf = SharedSpillBuffer.create(
-        64 * MB,
-        root=shm_dir,
-        disk_root=str(tmp_path),
-        budget=32 * MB,
-        min_size=64 * 1024,
-        min_shared_fraction=0.5,
-    )
-    tiers = buf.store.tiers
+def test_a_write_that_fails_gives_its_room_back(budgeted):
+    tiers = budgeted.store.tiers
     with pytest.raises(OSError):
         tiers.put("no/slashes", [np.ones(8)], 64)  # an invalid name: the store refuses it
     assert tiers.tiers[0].budget.used == 0
@@ -201,11 +209,6 @@ def test_a_write_that_fails_gives_its_room_back(shm_dir, tmp_path):
     def interrupted() -> None:
         raise KeyboardInterrupt
 
-    object.__setattr__(first, "store", _StoreCallingBack(first.store, interrupted))
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            tiers.put("interrupted", [np.ones(8)], 64)
-    finally:
-        object.__setattr__(first, "store", first.store._store)
+    with calling_back(first, interrupted), pytest.raises(KeyboardInterrupt):
+        tiers.put("interrupted", [np.ones(8)], 64)
     assert first.budget.used == 0 and len(first.budget) == 0  # no reservation left
-    buf.close()
