@@ -137,6 +137,10 @@ pub unsafe fn export_bytes(
 pub struct MappedFile {
     /// Taken out only by `drop`.
     map: ManuallyDrop<MmapMut>,
+    /// Unmap on `unlinker`'s thread when large (see `drop`): for mappings of
+    /// a store that never reuses its files (shared mode's tiers); a store
+    /// that recycles needs the mapping gone before it may reuse the file.
+    unmap_off_thread: bool,
     path: String,
     /// `(device, inode)` of the file when it was mapped, if it could be seen.
     file_id: Option<(u64, u64)>,
@@ -169,8 +173,10 @@ fn mapped_ranges_table() -> MutexGuard<'static, Option<RangesByFile>> {
 
 impl MappedFile {
     /// Wrap a mapping of the file at `path` (just opened and mapped: its
-    /// device and inode are read from that path now).
-    pub fn new(map: MmapMut, path: String) -> MappedFile {
+    /// device and inode are read from that path now). With
+    /// `unmap_off_thread`, a mapping of `unlinker::DEFER_FROM` bytes or more
+    /// is unmapped on the unlinking thread once it dies.
+    pub fn new(map: MmapMut, path: String, unmap_off_thread: bool) -> MappedFile {
         LIVE_MAPPINGS.fetch_add(1, Ordering::Relaxed);
         let file_id = std::fs::symlink_metadata(&path)
             .ok()
@@ -190,6 +196,7 @@ impl MappedFile {
         });
         MappedFile {
             map: ManuallyDrop::new(map),
+            unmap_off_thread,
             path,
             file_id,
             _token: token,
@@ -212,7 +219,7 @@ impl Drop for MappedFile {
         }
         // SAFETY: `map` is taken once, here, and never used again.
         let map = unsafe { ManuallyDrop::take(&mut self.map) };
-        if map.len() as u64 >= unlinker::DEFER_FROM {
+        if self.unmap_off_thread && map.len() as u64 >= unlinker::DEFER_FROM {
             // Unmapping costs milliseconds, in the thread that drops the last
             // reference (often a worker's event loop, with the GIL held).
             unlinker::release_later(Box::new(map));
@@ -318,8 +325,8 @@ mod tests {
             unsafe { MmapOptions::new().map_copy(&file).unwrap() }
         };
         let path_str = path.to_string_lossy().into_owned();
-        let a = MappedFile::new(map(), path_str.clone());
-        let b = MappedFile::new(map(), path_str);
+        let a = MappedFile::new(map(), path_str.clone(), false);
+        let b = MappedFile::new(map(), path_str, false);
         let start = |m: &MappedFile| m.map.as_ptr() as usize;
         let mut ranges = mapped_ranges(id.0, id.1);
         ranges.sort();

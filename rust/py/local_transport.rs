@@ -33,7 +33,7 @@ pub fn map_frames(py: Python<'_>, path: PathBuf) -> PyResult<MappedFrames> {
     let base = map.as_ptr() as usize;
     let mapped = Py::new(
         py,
-        MappedFile::new(map, path.to_string_lossy().into_owned()),
+        MappedFile::new(map, path.to_string_lossy().into_owned(), false),
     )?;
     Ok((mapped, base, layout.frames))
 }

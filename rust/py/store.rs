@@ -181,7 +181,7 @@ impl FileStore {
             .detach(|| store.map(name))
             .map_err(|e| to_pyerr_at(e, &path))?;
         let path = path.to_string_lossy().into_owned();
-        let mapped = Bound::new(py, MappedFile::new(map, path))?;
+        let mapped = Bound::new(py, MappedFile::new(map, path, store.defers_deletes()))?;
         frame_views(py, mapped.as_any(), &layout.frames)
     }
 
