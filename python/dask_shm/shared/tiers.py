@@ -403,8 +403,7 @@ class TieredFiles:
         moves."""
         frames = list(frames)
         size = sum(memoryview(f).nbytes for f in frames) + _FRAME_OVERHEAD * (len(frames) + 1)
-        with self._lock:
-            self.enforce()
+        self.enforce()  # takes the lock itself
         index = 0
         while True:
             with self._lock:
