@@ -3,9 +3,11 @@
 //! A handle received from a peer is data from the network: a path and a size.
 //! Before anything is linked or mapped, [`open_peer_file`] checks that the path
 //! lies inside this user's directory `<root>/dask-shm-<uid>` of the expected
-//! root (the tmpfs root for tier 2, the disk root for tier 3; after resolving
-//! every directory component), that the last component is not a symlink
-//! (`O_NOFOLLOW`), that it is a regular file owned by this user, that its size
+//! root (the tmpfs root for tier 2, the disk root for tier 3: opened with
+//! `openat2` beneath that directory without following any symlink, or, where
+//! that cannot open it, after resolving every directory component), that the
+//! last component is not a symlink (`O_NOFOLLOW`), that it is a regular file
+//! owned by this user, that its size
 //! is the announced size and that it carries a valid spill-file header for
 //! exactly that size. It
 //! keeps the file open, so everything afterwards (linking, reading) acts on the
@@ -14,10 +16,11 @@
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::format::{self, Layout};
 
@@ -72,33 +75,10 @@ pub fn open_peer_file(root: &Path, path: &Path, size: u64) -> Result<PeerFile, P
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(forged(path, "no file name"));
     };
-    let root = user_dir(root);
-    let root = root.canonicalize().map_err(|e| {
-        forged(
-            path,
-            format!("shared-memory directory {}: {e}", root.display()),
-        )
-    })?;
-    let parent = parent
-        .canonicalize()
-        .map_err(|e| forged(path, format!("directory cannot be resolved: {e}")))?;
-    if !parent.starts_with(&root) {
-        return Err(forged(
-            path,
-            format!("outside the shared-memory directory {}", root.display()),
-        ));
-    }
-    let resolved = parent.join(name);
-    let file = match OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(&resolved)
-    {
-        Ok(f) => f,
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(forged(path, "is a symbolic link"))
-        }
-        Err(e) => return Err(PeerError::Io(e)),
+    let user = user_dir(root);
+    let (file, resolved) = match open_beneath(&user, path) {
+        Some(file) => (file, path.to_path_buf()),
+        None => open_resolving(&user, path, parent, name)?,
     };
     let meta = file.metadata()?;
     if !meta.file_type().is_file() {
@@ -127,6 +107,115 @@ pub fn open_peer_file(root: &Path, path: &Path, size: u64) -> Result<PeerFile, P
         path: resolved,
         layout,
     })
+}
+
+/// The check of [`open_peer_file`] done by resolving every directory
+/// component (ten `readlink`s for a path five levels below the root): the
+/// resolved parent must lie inside the resolved user directory, and the file
+/// itself must not be a symlink. Also names the error wherever
+/// [`open_beneath`] could not open the file.
+fn open_resolving(
+    user: &Path,
+    path: &Path,
+    parent: &Path,
+    name: &std::ffi::OsStr,
+) -> Result<(File, PathBuf), PeerError> {
+    let root = user.canonicalize().map_err(|e| {
+        forged(
+            path,
+            format!("shared-memory directory {}: {e}", user.display()),
+        )
+    })?;
+    let parent = parent
+        .canonicalize()
+        .map_err(|e| forged(path, format!("directory cannot be resolved: {e}")))?;
+    if !parent.starts_with(&root) {
+        return Err(forged(
+            path,
+            format!("outside the shared-memory directory {}", root.display()),
+        ));
+    }
+    let resolved = parent.join(name);
+    match OpenOptions::new()
+        .read(true)
+        .custom_flags(PEER_OPEN_FLAGS)
+        .open(&resolved)
+    {
+        Ok(file) => Ok((file, resolved)),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => Err(forged(path, "is a symbolic link")),
+        Err(e) => Err(PeerError::Io(e)),
+    }
+}
+
+const PEER_OPEN_FLAGS: i32 = libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
+
+/// The kernel's `struct open_how` (linux/openat2.h; libc's is non-exhaustive).
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// Whether this kernel lets us call `openat2` (Linux 5.6; a seccomp filter
+/// may refuse it with EPERM or ENOSYS): unknown, yes, no.
+static OPENAT2: AtomicU8 = AtomicU8::new(OPENAT2_UNKNOWN);
+const OPENAT2_UNKNOWN: u8 = 0;
+const OPENAT2_WORKS: u8 = 1;
+const OPENAT2_REFUSED: u8 = 2;
+
+/// The same check as [`open_resolving`] in two system calls: `path`, when it
+/// is spelled below `user`, is opened relative to `user` with `openat2`,
+/// which the kernel keeps beneath that directory and refuses to take through
+/// any symlink or magic link on the way (`RESOLVE_BENEATH |
+/// RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS`). Symlinks in `user` itself
+/// are followed, as resolving it does. None when this cannot open it (not
+/// spelled below `user`, no `openat2`, or any error): the caller then
+/// resolves the path, which names the error, if there is one.
+fn open_beneath(user: &Path, path: &Path) -> Option<File> {
+    if OPENAT2.load(Ordering::Relaxed) == OPENAT2_REFUSED {
+        return None;
+    }
+    let relative = path.strip_prefix(user).ok()?;
+    if relative.as_os_str().is_empty() {
+        return None;
+    }
+    let relative = CString::new(relative.as_os_str().as_bytes()).ok()?;
+    let dir = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(user)
+        .ok()?;
+    let how = OpenHow {
+        flags: (libc::O_RDONLY | PEER_OPEN_FLAGS) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: `relative` is a valid NUL-terminated string and `how` a valid
+    // `open_how` of the size passed; openat2 has no other preconditions.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            relative.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        let errno = io::Error::last_os_error().raw_os_error();
+        if matches!(
+            errno,
+            Some(libc::ENOSYS) | Some(libc::EPERM) | Some(libc::E2BIG)
+        ) && OPENAT2.load(Ordering::Relaxed) == OPENAT2_UNKNOWN
+        {
+            OPENAT2.store(OPENAT2_REFUSED, Ordering::Relaxed);
+        }
+        return None;
+    }
+    OPENAT2.store(OPENAT2_WORKS, Ordering::Relaxed);
+    // SAFETY: openat2 returned a new file descriptor that nothing else owns.
+    Some(unsafe { File::from_raw_fd(fd as RawFd) })
 }
 
 fn read_layout(file: &File, size: u64) -> Result<Layout, PeerError> {
@@ -173,5 +262,38 @@ impl PeerFile {
     /// Copy the whole file into `buf` (exactly `layout.file_size` bytes).
     pub fn read_all_into(&self, buf: &mut [u8]) -> io::Result<()> {
         self.file.read_exact_at(buf, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn open_beneath_opens_only_paths_without_symlinks_below_the_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let user = tmp.path().join("user");
+        std::fs::create_dir_all(user.join("w1")).unwrap();
+        std::fs::write(user.join("w1/f"), b"x").unwrap();
+        let opened = open_beneath(&user, &user.join("w1/f"));
+        if OPENAT2.load(Ordering::Relaxed) == OPENAT2_REFUSED {
+            eprintln!("skipped: this kernel (or its seccomp filter) refuses openat2");
+            return;
+        }
+        assert!(opened.is_some());
+        // the directory itself may be reached through a symlink, as resolving it would
+        let alias = tmp.path().join("user-alias");
+        symlink(&user, &alias).unwrap();
+        assert!(open_beneath(&alias, &alias.join("w1/f")).is_some());
+        // any symlink below it, even one that stays inside, is left to the resolving check
+        symlink(user.join("w1"), user.join("w2")).unwrap();
+        assert!(open_beneath(&user, &user.join("w2/f")).is_none());
+        symlink(user.join("w1/f"), user.join("w1/link")).unwrap();
+        assert!(open_beneath(&user, &user.join("w1/link")).is_none());
+        // so is a path not spelled below it, and the directory itself
+        assert!(open_beneath(&user, &tmp.path().join("elsewhere/f")).is_none());
+        assert!(open_beneath(&user, &user).is_none());
+        assert!(open_beneath(&user, &user.join("w1/missing")).is_none());
     }
 }

@@ -71,3 +71,25 @@ fn forgeries_are_refused() {
     std::fs::hard_link(&beside, &moved).unwrap();
     assert!(forged_kind(&moved, beside_disk), "outside dask-shm-<uid>");
 }
+
+#[test]
+fn symlinks_that_stay_inside_the_user_directory_are_accepted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let (_store, path, disk) = spill_file(&root);
+    // a directory alias inside dask-shm-<uid>
+    let alias = user_dir(&root).join("alias");
+    symlink(user_dir(&root).join("w1"), &alias).unwrap();
+    let via_alias = alias.join(path.file_name().unwrap());
+    assert!(open_peer_file(&root, &via_alias, disk).is_ok());
+    // the root named through a symlink, the path spelled either way
+    let root_alias = tmp.path().join("root-alias");
+    symlink(&root, &root_alias).unwrap();
+    assert!(open_peer_file(&root_alias, &path, disk).is_ok());
+    let spelled = user_dir(&root_alias)
+        .join("w1")
+        .join(path.file_name().unwrap());
+    assert!(open_peer_file(&root, &spelled, disk).is_ok());
+    assert!(open_peer_file(&root_alias, &spelled, disk).is_ok());
+}
