@@ -594,6 +594,30 @@ def test_moved_and_born_files_are_sealed_and_checked(root, tmp_path) -> None:
         born.stop()
 
 
+def test_sealing_makes_a_file_read_only_and_never_follows_a_symlink(tmp_path) -> None:
+    """A sealed file is 0400 and its fingerprint is the file as it is; a
+    symlink in its place is refused and its target left writable."""
+    import stat
+
+    from dask_shm.shared import integrity
+
+    path = tmp_path / "file"
+    path.write_bytes(b"x" * 100)
+    fingerprint = integrity.seal(str(path))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o400
+    assert fingerprint == integrity.fingerprint(str(path))
+    assert fingerprint.size == 100
+
+    target = tmp_path / "target"
+    target.write_bytes(b"y")
+    os.chmod(target, 0o600)
+    link = tmp_path / "link"
+    os.symlink(target, link)
+    with pytest.raises(OSError):
+        integrity.seal(str(link))
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
+
+
 _TIER3_HOLDER = r"""
 import json, sys
 from dask_shm.shared import paths

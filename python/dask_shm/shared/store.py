@@ -394,7 +394,8 @@ class SharedSpillStore(SpillStore):
         name = self.file_of(key)
         if name is None or name not in self.shareable:
             return None
-        integrity.verify(key, str(self.files.path(name)), self.fingerprints.get(name))
+        fingerprint = self.fingerprints.get(name)
+        integrity.verify(key, str(self.files.path(name)), fingerprint)
         memory, _ = self.files.sizes(name)
         r = self.retained.get(key)
         if r is not None and dirty.written_in_place(str(self.files.path(name))):
@@ -404,7 +405,9 @@ class SharedSpillStore(SpillStore):
         path = self.tiers.link_out(name, tiers)
         if path is None:
             return None
-        return Handle(path, os.stat(path).st_size, memory, self.shareable[name], file_stem(key))
+        # The fingerprint's size was just checked against the file.
+        size = os.stat(path).st_size if fingerprint is None else fingerprint.size
+        return Handle(path, size, memory, self.shareable[name], file_stem(key))
 
     def adopt(self, handle: Handle) -> str:
         """Link a peer's file in (one validated hard link, into the tier
