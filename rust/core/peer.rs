@@ -271,9 +271,9 @@ mod tests {
     use std::os::unix::fs::symlink;
 
     #[test]
-    fn open_beneath_opens_only_paths_without_symlinks_below_the_directory() {
+    fn openat2_opens_only_paths_without_symlinks_and_answers_as_resolving_does() {
         let tmp = tempfile::tempdir().unwrap();
-        let user = tmp.path().join("user");
+        let user = user_dir(tmp.path());
         std::fs::create_dir_all(user.join("w1")).unwrap();
         std::fs::write(user.join("w1/f"), b"x").unwrap();
         let opened = open_beneath(&user, &user.join("w1/f"));
@@ -295,5 +295,53 @@ mod tests {
         assert!(open_beneath(&user, &tmp.path().join("elsewhere/f")).is_none());
         assert!(open_beneath(&user, &user).is_none());
         assert!(open_beneath(&user, &user.join("w1/missing")).is_none());
+
+        // Whatever opens it, a handle gets the same answer (one test, as the
+        // switch is process-wide).
+        std::fs::remove_file(user.join("w1/f")).unwrap();
+        let file = user.join("w1/f");
+        let size = write_spill_file(&file);
+        let outside = tmp.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        write_spill_file(&outside.join("f"));
+        symlink(&outside, user.join("escape")).unwrap();
+        let cases = [
+            file.clone(),
+            alias.join("w1/f"),
+            user.join("w2/f"),
+            user.join("w1/link"),
+            user.join("escape/f"),
+            outside.join("f"),
+            user.join("w1/missing"),
+        ];
+        let outcomes = || -> Vec<&str> {
+            cases
+                .iter()
+                .map(|p| match open_peer_file(tmp.path(), p, size) {
+                    Ok(_) => "ok",
+                    Err(PeerError::Forged(_)) => "forged",
+                    Err(PeerError::Io(_)) => "io",
+                })
+                .collect()
+        };
+        let with_openat2 = outcomes();
+        OPENAT2.store(OPENAT2_REFUSED, Ordering::Relaxed);
+        let resolving = outcomes();
+        OPENAT2.store(OPENAT2_WORKS, Ordering::Relaxed);
+        assert_eq!(
+            with_openat2,
+            ["ok", "ok", "ok", "forged", "forged", "forged", "io"]
+        );
+        assert_eq!(with_openat2, resolving);
+    }
+
+    /// A spill file of one small frame, as a store writes it; returns its size.
+    fn write_spill_file(path: &Path) -> u64 {
+        let layout = Layout::for_lengths(&[3]);
+        let mut bytes = layout.header_bytes();
+        bytes.extend_from_slice(b"abc");
+        assert_eq!(bytes.len() as u64, layout.file_size);
+        std::fs::write(path, bytes).unwrap();
+        layout.file_size
     }
 }
