@@ -1,6 +1,8 @@
-"""Latency of one same-host transfer on a dependent chain: stock vs shared mode.
+"""Latency of one same-host transfer, stock vs shared mode: on a dependent
+chain of tasks, and the hand-over's own work in one process.
 
-Run: ``pytest benches/bench_chain.py -s``. A chain of ``HOPS`` tasks
+Run: ``pytest benches/bench_chain.py -s`` (``-k handover`` for the in-process
+hand-over alone, see ``test_handover``). A chain of ``HOPS`` tasks
 alternates between two worker processes (1 thread, 1 GiB each), each task
 adding 1 to the array it receives, so every hop is one transfer of a value
 fresh in the sender's private memory followed by one task; nothing else
@@ -73,3 +75,76 @@ def test_chain(benchmark: Any, impl: str, nbytes: int) -> None:
         f"\n{impl:5s} {nbytes // KiB:5d} KiB: {hop_ms:6.2f} ms per hop (median of 3 chains), "
         f"median transfer {transfer_ms:5.2f} ms ({len(durations)} transfers)"
     )
+
+
+@pytest.mark.parametrize("impl", ["stock", "ours"])
+@pytest.mark.parametrize("nbytes", [64 * KiB, MiB], ids=["64KiB", "1MiB"])
+def test_handover(benchmark: Any, impl: str, nbytes: int, tmp_path: Any) -> None:
+    """The per-value work of one same-host transfer, in one process: no
+    scheduler, no sockets, so it shows the fixed cost of each side alone.
+
+    - stock: the sender's buffer holds the value; it is serialized into
+      frames, the frames are copied into one buffer (the receiver's read of
+      the socket) and deserialized, the receiver's buffer stores it, and both
+      buffers delete it;
+    - ours: the same buffers in shared mode; the sender exports the value
+      (written into the tmpfs, sealed, hard-linked out), the receiver takes
+      the handle over (validated, linked, mapped) and stores it, the handle's
+      link goes, and both buffers delete it.
+
+    Timed: 200 values per round, the time per value in ``extra_info``
+    (``handover_us``). The sockets stock also writes and reads are not in it.
+    """
+    from distributed.protocol import deserialize_bytes, serialize_bytelist
+    from distributed.spill import SpillBuffer
+
+    from dask_shm.shared import SharedSpillBuffer, transfer
+
+    benchmark.group = f"one hand-over in one process, {nbytes // KiB} KiB values"
+    values = 200
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
+        if impl == "ours":
+
+            def shared(name: str) -> Any:
+                return SharedSpillBuffer.create(
+                    2**30,
+                    root=root,
+                    disk_root=str(tmp_path / "disk"),
+                    budget=2**30,
+                    min_size=64 * KiB,
+                    min_shared_fraction=0.5,
+                    name=name,
+                )
+
+            sender, receiver = shared("sender"), shared("receiver")
+        else:
+            sender = SpillBuffer(str(tmp_path / "sender"), target=2**30)
+            receiver = SpillBuffer(str(tmp_path / "receiver"), target=2**30)
+
+        def one(key: int) -> None:
+            sender[key] = np.full(nbytes // 8, float(key))
+            if impl == "ours":
+                handle = sender.export(key)
+                assert handle is not None
+                with transfer.receiving_into(receiver):
+                    value = transfer.receive(handle)
+                os.unlink(handle.path)
+            else:
+                value = deserialize_bytes(b"".join(serialize_bytelist(sender[key])))
+            receiver[key] = value
+            del value
+            assert receiver[key][0] == key
+            del sender[key], receiver[key]
+
+        def round_() -> None:
+            for key in range(values):
+                one(key)
+
+        round_()  # first-use costs
+        benchmark.pedantic(round_, rounds=10, iterations=1)
+        if impl == "ours":
+            sender.close()
+            receiver.close()
+    handover_us = benchmark.stats.stats.median / values * 1e6
+    benchmark.extra_info.update(handover_us=handover_us)
+    print(f"\n{impl:5s} {nbytes // KiB:5d} KiB: {handover_us:7.1f} us per value (median)")
