@@ -20,6 +20,16 @@ fn spill_file(root: &Path) -> (FileStore, PathBuf, u64) {
     (store, path, disk)
 }
 
+/// A fresh root (a directory in a temporary one) holding one spill file:
+/// the temporary directory, the root, the store, the file's path and size.
+fn root_with_spill_file() -> (tempfile::TempDir, PathBuf, FileStore, PathBuf, u64) {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let (store, path, disk) = spill_file(&root);
+    (tmp, root, store, path, disk)
+}
+
 #[test]
 fn a_genuine_file_is_accepted_and_linkable() {
     let tmp = tempfile::tempdir().unwrap();
@@ -38,10 +48,7 @@ fn a_genuine_file_is_accepted_and_linkable() {
 
 #[test]
 fn forgeries_are_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let (_store, path, disk) = spill_file(&root);
+    let (_tmp, root, _store, path, disk) = root_with_spill_file();
     let outside = tempfile::tempdir().unwrap();
     let (_other, foreign, foreign_disk) = spill_file(outside.path());
     let forged_kind =
@@ -74,10 +81,7 @@ fn forgeries_are_refused() {
 
 #[test]
 fn symlinks_that_stay_inside_the_user_directory_are_accepted() {
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let (_store, path, disk) = spill_file(&root);
+    let (tmp, root, _store, path, disk) = root_with_spill_file();
     // a directory alias inside dask-shm-<uid>
     let alias = user_dir(&root).join("alias");
     symlink(user_dir(&root).join("w1"), &alias).unwrap();
