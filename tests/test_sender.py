@@ -68,6 +68,33 @@ def test_a_batch_goes_as_handles_and_its_links_go_with_the_request(buffer, n):
         assert buffer[f"k{i}"][0] == i
 
 
+def test_values_in_memory_under_transfer_min_size_keep_their_bytes(buffer):
+    """A value still in private memory below ``transfer_min_size`` goes as
+    bytes (nothing written, counted as sent the stock way), one at or above
+    it as a handle, and a small one already in a file (sent before) as a
+    handle too."""
+    buffer["small"] = np.full(100 * 1024 // 8, 1.0)
+    buffer["large"] = np.full(256 * 1024 // 8, 2.0)
+    buffer["sent"] = np.full(100 * 1024 // 8, 3.0)
+    earlier = buffer.export("sent")
+    assert earlier is not None
+    os.unlink(earlier.path)
+    comm = RecordingComm()
+    proxy = _HandleSwappingComm(comm, buffer, frozenset({2}), None, min_bytes=256 * 1024)
+    data = {k: to_serialize(buffer[k]) for k in ("small", "large", "sent")}
+    before = buffer.shm_counters["fallback_transfers"]
+    asyncio.run(proxy.write({"status": "OK", "data": data}))
+    sent = comm.sent[0]["data"]
+    assert not isinstance(sent["small"].data, Handle)
+    assert sent["small"].data[0] == 1.0
+    assert isinstance(sent["large"].data, Handle)
+    assert isinstance(sent["sent"].data, Handle)
+    assert buffer.store.file_of("small") is None  # nothing was written for it
+    assert buffer.shm_counters["fallback_transfers"] == before + 1
+    proxy.delete_links()
+    assert outgoing(buffer) == []
+
+
 def test_links_made_after_the_request_ended_are_deleted(buffer):
     """The handler is cancelled (the requester went away) while the offload
     thread still writes the batch out; _answer then deletes the links. The

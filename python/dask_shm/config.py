@@ -306,6 +306,9 @@ class SharedMemorySettings:
     #: Directory on a real file system for tier-3 files (``dask-shm-<uid>/``
     #: is made under it); null in config: :func:`default_disk_root`.
     disk_root: str = ""
+    #: Values still in private memory go to a same-host peer as a file
+    #: only from this size (smaller ones as bytes).
+    transfer_min_size: int = 64 * 2**10
 
     @classmethod
     def from_config(cls) -> SharedMemorySettings:
@@ -334,7 +337,10 @@ class SharedMemorySettings:
         disk_root = setting_path("shm.shared-memory.disk-root")
         if disk_root is None:
             disk_root = default_disk_root(temporary_directory())
-        return cls(enabled, root, min_size, min_shared_fraction, max_bytes, disk_root)
+        transfer_min_size = setting_bytes("shm.shared-memory.transfer-min-size")
+        return cls(
+            enabled, root, min_size, min_shared_fraction, max_bytes, disk_root, transfer_min_size
+        )
 
 
 # -- dask's and distributed's own keys that dask-shm follows ------------------------

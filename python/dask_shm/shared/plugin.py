@@ -138,7 +138,9 @@ class SharedMemoryPlugin(WorkerPlugin):
             worker, buffer, self._registry, tokens
         )
         transfer.enable_receiving(buffer)
-        self._original_get_data = install_get_data(worker, buffer, self._registry, tokens)
+        self._original_get_data = install_get_data(
+            worker, buffer, self._registry, tokens, settings.transfer_min_size
+        )
         pack_buffers.install()
         first = buffer.store.tiers.tiers[0].number
         if first in tokens:

@@ -13,6 +13,11 @@ not our tier-3 directory gets tier-2 files as handles and tier-3 values as
 bytes), and nothing once it refused our handles. Values that cannot be
 handed over (not worth sharing, a root it does not share, link failure) are
 sent as bytes.
+A value still in the sender's private memory and smaller than
+``transfer_min_size`` bytes is sent as bytes too: writing it into a file
+costs more than the copy it saves (about 0.3 ms of CPU per 64 KiB value
+against 0.1 ms for stock's path, in one process); one already in a file is
+linked whatever its size.
 Anyone else (clients, other hosts, workers without shared memory) gets bytes,
 and so does everyone over a comm that does not serialize messages
 (``inproc://``): there a handle would reach the receiver as an object, not as
@@ -67,7 +72,8 @@ OFFLOAD_KEYS = 16
 class _HandleSwappingComm:
     """Delegates to ``comm``; ``write`` replaces values by handles, in the
     offload thread for a batch over ``offload_bytes`` (None: never by bytes)
-    or :data:`OFFLOAD_KEYS` values."""
+    or :data:`OFFLOAD_KEYS` values. A value in private memory smaller than
+    ``min_bytes`` keeps its bytes."""
 
     def __init__(
         self,
@@ -75,12 +81,14 @@ class _HandleSwappingComm:
         buffer: SharedSpillBuffer,
         tiers: frozenset[int],
         offload_bytes: int | None,
+        min_bytes: int = 0,
     ):
         self._comm = comm
         self._buffer = buffer
         #: the tiers whose files the receiver can link
         self._tiers = tiers
         self._offload_bytes = offload_bytes
+        self._min_bytes = min_bytes
         self.links: list[str] = []
         # An offloaded swap can outlive its request (the handler cancelled
         # while the thread writes): links made after delete_links are
@@ -111,7 +119,9 @@ class _HandleSwappingComm:
         out = {}
         for key, wrapped in data.items():
             value = wrapped.data if isinstance(wrapped, Serialize) else wrapped
-            handle = self._buffer.export(key, self._tiers)
+            handle = None
+            if not self._keeps_bytes(key, value):
+                handle = self._buffer.export(key, self._tiers)
             if handle is None:
                 counters["fallback_transfers"] += 1
                 counters["fallback_bytes"] += _nbytes(value)
@@ -129,6 +139,13 @@ class _HandleSwappingComm:
             context_meter.digest_metric("shm-send-link", handle.size, "bytes")
             out[key] = to_serialize(handle)
         return out
+
+    def _keeps_bytes(self, key: Any, value: object) -> bool:
+        """Whether ``value`` is still only in private memory and too small
+        to be worth writing into a file for the peer."""
+        if self._min_bytes <= 0 or self._buffer.store.file_of(key) is not None:
+            return False
+        return _nbytes(value) < self._min_bytes
 
     def delete_links(self) -> None:
         """Delete the links made for this request, and any made from now on."""
@@ -160,10 +177,12 @@ def install_get_data(
     buffer: SharedSpillBuffer,
     registry: PeerRegistry,
     root_tokens: dict[int, str],
+    transfer_min_size: int = 0,
 ) -> GetData:
     """Wrap ``worker``'s get_data handler; returns the handler it replaced.
     ``root_tokens`` maps each tier number of ``buffer`` to its root's identity
-    token (a tier without one is never handed over).
+    token (a tier without one is never handed over); values in private
+    memory smaller than ``transfer_min_size`` bytes are sent as bytes.
 
     The wrapper shows the replaced handler's signature (``functools.wraps``)
     and passes every keyword through: distributed hands a handler optional
@@ -190,7 +209,7 @@ def install_get_data(
             tiers = frozenset(t for t, token in root_tokens.items() if token in shared)
         if not tiers:
             return await original(comm, keys=keys, who=who, **kwargs)
-        proxy = _HandleSwappingComm(comm, buffer, tiers, offload_bytes)
+        proxy = _HandleSwappingComm(comm, buffer, tiers, offload_bytes, transfer_min_size)
         try:
             return await original(proxy, keys=keys, who=who, **kwargs)
         finally:
