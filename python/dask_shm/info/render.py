@@ -188,7 +188,8 @@ def format_info(info: HostInfo) -> str:
             (
                 "validated shared-memory settings",
                 f"enabled={s.enabled}, root={s.root}, min-size={format_bytes(s.min_size)}, "
-                f"min-shared-fraction={s.min_shared_fraction}",
+                f"min-shared-fraction={s.min_shared_fraction}, "
+                f"transfer-min-size={format_bytes(s.transfer_min_size)}",
             )
         )
     rows.extend(("invalid", message) for message in info.config_errors)
