@@ -138,8 +138,13 @@ class SharedMemoryPlugin(WorkerPlugin):
             worker, buffer, self._registry, tokens
         )
         transfer.enable_receiving(buffer)
+        # Under min-size a value goes as bytes anyway (not worth sharing, found
+        # by serializing it): the size check only decides above it.
+        transfer_min_size = settings.transfer_min_size
+        if transfer_min_size <= settings.min_size:
+            transfer_min_size = 0
         self._original_get_data = install_get_data(
-            worker, buffer, self._registry, tokens, settings.transfer_min_size
+            worker, buffer, self._registry, tokens, transfer_min_size
         )
         pack_buffers.install()
         first = buffer.store.tiers.tiers[0].number
