@@ -367,3 +367,39 @@ def test_disk_metrics_count_file_bytes_like_stock(tmp_path, memmap):
         assert metrics["ours"]["small"] == metrics["stock"]["small"]
     # the same stages (serialize, compress, disk-write, ...) in the same order
     assert labels["ours"] == labels["stock"]
+
+
+@pytest.mark.parametrize("layout", ["unsplit", "compressed"])
+def test_reading_frames_reports_stock_deserialization_stages(layout):
+    """Frames of either layout our files hold (serialize_unsplit's, which
+    every shared file has, and stock's compressed shards) read back to the
+    value, reporting the stages stock's read reports, in its order:
+    decompress, then deserialize, in seconds."""
+    from distributed.metrics import context_meter
+    from distributed.protocol import deserialize_bytes, serialize_bytelist
+
+    from dask_shm.spill_store import (
+        compress_frames,
+        frames_to_object,
+        pack_header,
+        serialize_unsplit,
+    )
+
+    value = {"x": np.arange(50_000, dtype="f8") % 7, "label": "a" * 100}
+    header, frames = serialize_unsplit(value, lambda *_: None)
+    if layout == "compressed":
+        header, frames = compress_frames(header, frames, "zlib")
+        assert any(header["compression"])
+
+    def stages(read: Callable[[], object]) -> tuple[object, list[tuple[object, str]]]:
+        seen: list[tuple[object, str]] = []
+        with context_meter.add_callback(lambda label, _, unit: seen.append((label, unit))):
+            out = read()
+        return out, seen
+
+    ours, ours_stages = stages(lambda: frames_to_object([pack_header(header), *frames]))
+    stock_bytes = b"".join(serialize_bytelist(value))
+    stock, stock_stages = stages(lambda: deserialize_bytes(stock_bytes))
+    np.testing.assert_array_equal(ours["x"], value["x"])
+    assert ours["label"] == value["label"]
+    assert ours_stages == stock_stages == [("decompress", "seconds"), ("deserialize", "seconds")]
