@@ -249,25 +249,31 @@ def test_config_alone_turns_it_on_in_worker_processes():
     assert [d for d in directories if os.path.exists(d)] == []  # a clean close leaves nothing
 
 
-def test_values_in_memory_under_transfer_min_size_travel_as_bytes():
-    """With ``transfer-min-size`` raised, a value fresh in the sender's memory
-    below it reaches the peer as bytes (as in stock: nothing written), one
-    above it by hard link; both arrive whole."""
+@pytest.mark.parametrize("transfer_min_size", [None, "64 KiB"], ids=["default", "min-size"])
+def test_values_in_memory_under_transfer_min_size_travel_as_bytes(transfer_min_size):
+    """At the default ``transfer-min-size`` (1 MiB), a value fresh in the
+    sender's memory below it reaches the peer as bytes (as in stock: nothing
+    written), one above it by hard link; lowered to ``min-size``, the small
+    one goes by link too. Every value arrives whole."""
     config = {
         "distributed.worker.preload": ["dask_shm"],
         "distributed.nanny.preload": ["dask_shm"],
         "shm.shared-memory.enabled": True,
-        "shm.shared-memory.transfer-min-size": "1 MiB",
     }
+    if transfer_min_size is not None:
+        config["shm.shared-memory.transfer-min-size"] = transfer_min_size
+    linked_small = transfer_min_size is not None
     with process_cluster(2, "1GiB", config) as client:
         a, b = two_workers(client)
         small = client.submit(make_array, 256 * 1024, 2.0, workers=[a], key="small")
         total = client.submit(lambda v: float(v.sum()), small, workers=[b], key="small-sum")
         assert total.result() == 2.0 * 32 * 1024
         figures = client.run(shm_metrics, workers=[a])[a]
-        assert (figures["link_transfers"], figures["fallback_transfers"]) == (0, 1)
-        assert client.run(inode_of, key="small", workers=[a])[a] is None  # never written
+        expected = (1, 0) if linked_small else (0, 1)
+        assert (figures["link_transfers"], figures["fallback_transfers"]) == expected
+        if not linked_small:
+            assert client.run(inode_of, key="small", workers=[a])[a] is None  # never written
         large = client.submit(make_array, 4 * MB, 3.0, workers=[a], key="large")
         total = client.submit(lambda v: float(v.sum()), large, workers=[b], key="large-sum")
         assert total.result() == 3.0 * MB // 2
-        assert client.run(shm_metrics, workers=[a])[a]["link_transfers"] == 1
+        assert client.run(shm_metrics, workers=[a])[a]["link_transfers"] == 1 + linked_small

@@ -93,7 +93,10 @@ def test_held_values_beyond_the_map_bound_go_back_to_their_files(root):
 
 @pytest.fixture(scope="module")
 def shared_cluster() -> Iterator[Client]:
-    with process_cluster(4, "4GiB") as client:
+    # Every 72 KiB value handed over as a file (min-size's threshold): the
+    # subject here is many shared files. By default values under 1 MiB still
+    # in private memory travel as bytes.
+    with process_cluster(4, "4GiB", {"shm.shared-memory.transfer-min-size": "64 KiB"}) as client:
         client.register_plugin(SharedMemoryPlugin())
         client.register_plugin(SharedMemoryNannyPlugin())
         yield client

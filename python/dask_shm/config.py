@@ -308,7 +308,7 @@ class SharedMemorySettings:
     disk_root: str = ""
     #: Values still in private memory go to a same-host peer as a file
     #: only from this size (smaller ones as bytes).
-    transfer_min_size: int = 64 * 2**10
+    transfer_min_size: int = 2**20
 
     @classmethod
     def from_config(cls) -> SharedMemorySettings:

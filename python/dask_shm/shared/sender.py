@@ -14,10 +14,10 @@ bytes), and nothing once it refused our handles. Values that cannot be
 handed over (not worth sharing, a root it does not share, link failure) are
 sent as bytes.
 A value still in the sender's private memory and smaller than
-``transfer_min_size`` bytes is sent as bytes too: writing it into a file
-costs more than the copy it saves (about 0.3 ms of CPU per 64 KiB value
-against 0.1 ms for stock's path, in one process); one already in a file is
-linked whatever its size.
+``transfer_min_size`` bytes (config default 1 MiB) is sent as bytes too:
+below that, writing it into a file, linking, mapping and deleting it cost
+more CPU than the copy it saves; one already in a file is linked whatever
+its size.
 Anyone else (clients, other hosts, workers without shared memory) gets bytes,
 and so does everyone over a comm that does not serialize messages
 (``inproc://``): there a handle would reach the receiver as an object, not as
