@@ -11,17 +11,25 @@ enters a buffer, in case anything ever slips through.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
 from distributed.protocol.serialize import Serialize
+
+if TYPE_CHECKING:
+    from dask_shm.shared.store import Handle
+    from dask_shm.shared.transfer import Unresolved
 
 
 class HandleLeakError(TypeError):
     """A shared-memory handle arrived where a value was expected."""
 
 
+@functools.cache
 def _serializing_comm_types() -> tuple[type, ...]:
+    """Computed once: a failed import (no websockets) is not cached by
+    Python and costs its search on every call; this runs per ``get_data``."""
     from distributed.comm.tcp import TCP
 
     types: list[type] = [TCP]  # TLS is a subclass
@@ -42,19 +50,27 @@ def comm_serializes(comm: Any) -> bool:
     return isinstance(comm, _serializing_comm_types())
 
 
-def ensure_value(key: Key, value: object) -> None:
-    """Raise :class:`HandleLeakError` if ``value`` is a handle (bare or
-    wrapped for serialization) instead of the value it names."""
+@functools.cache
+def _handle_types() -> tuple[type[Handle], type[Unresolved]]:
+    """(Handle, Unresolved), imported once, on first use (store and
+    transfer import this module)."""
     from dask_shm.shared.store import Handle
     from dask_shm.shared.transfer import Unresolved
 
+    return (Handle, Unresolved)
+
+
+def ensure_value(key: Key, value: object) -> None:
+    """Raise :class:`HandleLeakError` if ``value`` is a handle (bare or
+    wrapped for serialization) instead of the value it names."""
     inner = value.data if isinstance(value, Serialize) else value
-    if isinstance(inner, Unresolved):
+    handle, unresolved = _handle_types()
+    if isinstance(inner, unresolved):
         raise HandleLeakError(
             f"dask-shm: key {key!r} received a shared-memory handle that could not "
             f"be resolved ({inner.reason}) instead of its value"
         )
-    if isinstance(inner, Handle):
+    if isinstance(inner, handle):
         raise HandleLeakError(
             f"dask-shm: key {key!r} received a shared-memory handle ({inner.path}) "
             "instead of its value; handles may only cross serializing comms "

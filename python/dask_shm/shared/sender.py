@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import context_meter
 from distributed.protocol.serialize import Serialize, to_serialize
+from distributed.sizeof import safe_sizeof
 from distributed.utils import offload
 
 from dask_shm._core import SpillFileError
@@ -119,12 +120,13 @@ class _HandleSwappingComm:
         out = {}
         for key, wrapped in data.items():
             value = wrapped.data if isinstance(wrapped, Serialize) else wrapped
+            nbytes = self._private_nbytes(key, value)
             handle = None
-            if not self._keeps_bytes(key, value):
+            if nbytes is None or nbytes >= self._min_bytes:
                 handle = self._buffer.export(key, self._tiers)
             if handle is None:
                 counters["fallback_transfers"] += 1
-                counters["fallback_bytes"] += _nbytes(value)
+                counters["fallback_bytes"] += _nbytes(value) if nbytes is None else nbytes
                 # Sent the stock way: its fine metrics are stock's alone.
                 out[key] = wrapped
                 continue
@@ -140,12 +142,13 @@ class _HandleSwappingComm:
             out[key] = to_serialize(handle)
         return out
 
-    def _keeps_bytes(self, key: Any, value: object) -> bool:
-        """Whether ``value`` is still only in private memory and too small
-        to be worth writing into a file for the peer."""
+    def _private_nbytes(self, key: Any, value: object) -> int | None:
+        """``sizeof(value)`` when the size decides (a value only in private
+        memory and a ``min_bytes`` threshold): under it the value keeps its
+        bytes. None otherwise: a value in a file is linked whatever its size."""
         if self._min_bytes <= 0 or self._buffer.store.file_of(key) is not None:
-            return False
-        return _nbytes(value) < self._min_bytes
+            return None
+        return _nbytes(value)
 
     def delete_links(self) -> None:
         """Delete the links made for this request, and any made from now on."""
@@ -164,8 +167,6 @@ def _unlink(path: str) -> None:
 
 
 def _nbytes(value: object) -> int:
-    from distributed.sizeof import safe_sizeof
-
     return safe_sizeof(value)
 
 
