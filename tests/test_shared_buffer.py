@@ -97,6 +97,27 @@ def test_file_is_kept_while_held_and_only_private_bytes_count(root):
     np.testing.assert_array_equal(x, 1)  # a deleted file stays readable while mapped
 
 
+def test_shared_bytes_by_key_names_every_key_with_shared_bytes(root):
+    """The span extension's one-call hook agrees with ``shared_bytes`` on
+    every key: spilled and retained keys with their files' bytes, private,
+    small and pickled ones absent (0)."""
+    buf = shared_buffer()
+    buf["spilled"] = np.ones(2 * MB // 8)
+    buf["retained"] = np.ones(4 * MB // 8)
+    buf.evict()
+    buf.evict()
+    held = buf["retained"]  # mapped again: retained, file kept
+    buf["private"] = np.ones(3 * MB // 8)
+    buf["small"] = np.ones(10)
+    buf["pickled"] = ["a"] * 1000
+    by_key = buf.shared_bytes_by_key()
+    assert by_key == {k: buf.shared_bytes(k) for k in buf if buf.shared_bytes(k)}
+    assert by_key["spilled"] >= 2 * MB and by_key["retained"] >= 4 * MB
+    assert "private" not in by_key and "small" not in by_key and "pickled" not in by_key
+    assert all(buf.shared_bytes(k) == by_key.get(k, 0) for k in buf)
+    del held
+
+
 def test_writes_to_an_unspilled_array_stay_private(root):
     buf = shared_buffer()
     buf["x"] = np.zeros(MB // 8)

@@ -320,6 +320,23 @@ class SharedSpillBuffer(SpillBuffer):
             return 0
         return store.files.sizes(name)[1]
 
+    def shared_bytes_by_key(self) -> dict[Key, int]:
+        """:meth:`shared_bytes` of every key that has shared bytes (the keys
+        with a shareable file: spilled or retained), in one pass over those
+        keys only; the span extension reads it once per report."""
+        store = self.store
+        # Snapshots (list() of a dict is atomic): no lock, as shared_bytes takes none.
+        named = list(store.filenames.items())
+        named += [(k, r.name) for k, r in list(store.retained.items())]
+        out: dict[Key, int] = {}
+        for key, name in named:
+            if name in store.shareable:
+                try:
+                    out[key] = store.files.sizes(name)[1]
+                except KeyError:  # deleted meanwhile
+                    pass
+        return out
+
     def close(self) -> None:
         """Release every arrival not yet stored (their files are deleted, as
         are those of every key removed before; this waits for them)."""
