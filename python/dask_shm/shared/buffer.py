@@ -314,9 +314,14 @@ class SharedSpillBuffer(SpillBuffer):
         """Bytes of ``key``'s shared file that count for this worker (1/k of
         the file for k hard links); 0 for a private key. Read by the span
         extension to report per-span shared memory."""
+        name = self.store.file_of(key)
+        return 0 if name is None else self._file_shared_bytes(name)
+
+    def _file_shared_bytes(self, name: str) -> int:
+        """This worker's bytes of file ``name``; 0 unless it is shareable.
+        Raises KeyError for a file deleted meanwhile."""
         store = self.store
-        name = store.file_of(key)
-        if name is None or name not in store.shareable:
+        if name not in store.shareable:
             return 0
         return store.files.sizes(name)[1]
 
@@ -330,11 +335,12 @@ class SharedSpillBuffer(SpillBuffer):
         named += [(k, r.name) for k, r in list(store.retained.items())]
         out: dict[Key, int] = {}
         for key, name in named:
-            if name in store.shareable:
-                try:
-                    out[key] = store.files.sizes(name)[1]
-                except KeyError:  # deleted meanwhile
-                    pass
+            try:
+                shared = self._file_shared_bytes(name)
+            except KeyError:  # deleted meanwhile
+                continue
+            if shared:
+                out[key] = shared
         return out
 
     def close(self) -> None:

@@ -395,10 +395,11 @@ class SharedSpillStore(SpillStore):
         if name is None or name not in self.shareable:
             return None
         fingerprint = self.fingerprints.get(name)
-        integrity.verify(key, str(self.files.path(name)), fingerprint)
+        file_path = str(self.files.path(name))
+        integrity.verify(key, file_path, fingerprint)
         memory, _ = self.files.sizes(name)
         r = self.retained.get(key)
-        if r is not None and dirty.written_in_place(str(self.files.path(name))):
+        if r is not None and dirty.written_in_place(file_path):
             return None  # written in place: the file is no longer the value
         if r is not None:
             memory = r.memory
