@@ -68,8 +68,8 @@ def receive_fetches_into(
             event = await original(peer, to_gather, *args, **kwargs)
         if isinstance(event, GatherDepSuccessEvent):
             dropped = transfer.drop_unresolved(event.data)
-            _refuse(registry, worker.address, peer, buffer, tokens, dropped)
             if dropped:
+                _refuse(registry, worker.address, peer, buffer, tokens, dropped)
                 logger.warning(
                     "dask-shm: %d handle(s) from %s could not be resolved (%s); "
                     "fetching them again as bytes",
@@ -106,8 +106,8 @@ def drop_unresolved_updates(
 
     def update_data(data: dict, *args: Any, **kwargs: Any) -> Any:
         dropped = transfer.drop_unresolved(data)
-        _refuse(registry, worker.address, ANY, buffer, tokens, dropped)
         if dropped:
+            _refuse(registry, worker.address, ANY, buffer, tokens, dropped)
             buffer.shm_counters["unresolved_handles"] += len(dropped)
             logger.warning(
                 "dask-shm: %d handle(s) could not be resolved (%s); not stored",

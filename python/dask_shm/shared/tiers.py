@@ -280,7 +280,10 @@ class TieredFiles:
         """Bytes of RAM tiers' files that count for this store (1/k of a file
         with k hard links): what this worker holds in tmpfs files. O(1); link
         counts that peers changed are seen after :meth:`refresh_links`."""
-        return sum([int(store.total()[1]) for store in self._ram_stores])
+        stores = self._ram_stores
+        if len(stores) == 1:  # the usual case; read at every eviction decision
+            return int(stores[0].total()[1])
+        return sum([int(store.total()[1]) for store in stores])
 
     def refresh_links(self) -> int:
         """Correct the link counts of every tier's shared files (O(shared

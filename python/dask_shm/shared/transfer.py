@@ -31,8 +31,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Protocol
 
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
@@ -124,14 +122,20 @@ def enable_receiving(buffer: Receiver | None) -> None:
     _default = None if buffer is None else weakref.ref(buffer)
 
 
-@contextmanager
-def receiving_into(buffer: Receiver) -> Iterator[None]:
-    """Handles deserialized in this context go to ``buffer``."""
-    token = _receiver.set(buffer)
-    try:
-        yield
-    finally:
-        _receiver.reset(token)
+class receiving_into:  # noqa: N801 - used as a function: ``with receiving_into(b):``
+    """Handles deserialized in this context go to ``buffer``. A class rather
+    than a generator-based context manager: a worker enters it for every fetch."""
+
+    __slots__ = ("_buffer", "_token")
+
+    def __init__(self, buffer: Receiver):
+        self._buffer = buffer
+
+    def __enter__(self) -> None:
+        self._token = _receiver.set(self._buffer)
+
+    def __exit__(self, *exc: object) -> None:
+        _receiver.reset(self._token)
 
 
 def receiver() -> Receiver | None:
