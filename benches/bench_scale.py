@@ -28,6 +28,12 @@ most any one of them spent in dask-shm's / distributed's code
 longest are printed (all of them written to ``$DASK_SHM_BENCH_LOOPS.<impl>.json``
 when that variable is set).
 
+``worker_cpu_s``: the workers' CPU time (user + system, ``psutil``) over the
+computation. ``DASK_SHM_BENCH_IMPLS`` (default ``stock,ours``) lists the runs,
+in order; ``default`` is dask-shm's preload without shared memory (its
+buffer, AMM and spans), so ``stock,default,ours`` separates what shared
+mode costs from what the preload does.
+
 ``DASK_SHM_BENCH_KEYS`` (default 100000; e.g. 5000 for a run of a few
 minutes on a small host) sets the number of keys.
 ``DASK_SHM_BENCH_TRANSFER_MIN_SIZE`` (default ``64 KiB``, ``min-size``'s)
@@ -47,6 +53,7 @@ from typing import Any
 
 import dask
 import numpy as np
+import psutil
 import pytest
 from distributed import Client, LocalCluster
 
@@ -58,6 +65,13 @@ VALUE_BYTES = 72 * KIB
 PARTIAL = 1000
 KEYS = int(os.environ.get("DASK_SHM_BENCH_KEYS", "100000"))
 TRANSFER_MIN_SIZE = os.environ.get("DASK_SHM_BENCH_TRANSFER_MIN_SIZE", "64 KiB")
+#: the module of the workers' buffer in each run: what shows it switched on
+BUFFER_MODULES = {
+    "stock": "distributed.spill",
+    "default": "dask_shm.spill",
+    "ours": "dask_shm.shared.buffer",
+}
+IMPLS = os.environ.get("DASK_SHM_BENCH_IMPLS", "stock,ours").split(",")
 
 #: worker callbacks this long or longer are attributed (issue 24's bound)
 SLOW_CALLBACK = 0.1
@@ -102,12 +116,40 @@ def _reset_ticks(dask_worker: Any = None, dask_scheduler: Any = None) -> None:
 
 def _worker_figures(dask_worker: Any) -> dict[str, float]:
     data = dask_worker.data
-    store = getattr(data, "store", None)
+    # Only the shared buffer's store has tiers and retained values.
+    store = data.store if getattr(data, "shared", False) else None
     return {
         "tick": dask_worker.digests_max.get("tick-duration", 0.0),
         "files": len(store.tiers) if store is not None else 0,
         "mapped": len(store.retained) if store is not None else 0,
     }
+
+
+def _cpu_seconds(dask_worker: Any = None) -> float:
+    times = psutil.Process().cpu_times()
+    return float(times.user + times.system)
+
+
+def _config(impl: str) -> dict[str, Any]:
+    """The dask config that switches ``impl`` on, as a user would."""
+    preloads = {
+        "distributed.worker.preload": ["dask_shm"],
+        "distributed.nanny.preload": ["dask_shm"],
+    }
+    if impl == "stock":
+        return {}
+    if impl == "default":
+        return {**preloads, "distributed.scheduler.preload": ["dask_shm"]}
+    if impl == "ours":
+        return {
+            **preloads,
+            "shm.shared-memory.enabled": True,
+            # Every 72 KiB value goes to its peers as a file: what this bench
+            # measures is many shared files per worker. By default values under
+            # transfer-min-size (1 MiB) travel as bytes, as in stock.
+            "shm.shared-memory.transfer-min-size": TRANSFER_MIN_SIZE,
+        }
+    raise ValueError(f"DASK_SHM_BENCH_IMPLS: unknown run {impl!r} (stock, default, ours)")
 
 
 def _print_slow_callbacks(impl: str, loops: dict[str, dict[str, Any]]) -> None:
@@ -130,21 +172,11 @@ def _print_slow_callbacks(impl: str, loops: dict[str, dict[str, Any]]) -> None:
             json.dump(loops, f, indent=1)
 
 
-@pytest.mark.parametrize("impl", ["stock", "ours"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("keys", [KEYS])
 def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
     benchmark.group = f"{keys:,} 72 KiB keys, tasks taking 3 each, 4 workers"
-    config: dict[str, Any] = {}
-    if impl == "ours":
-        config = {
-            "distributed.worker.preload": ["dask_shm"],
-            "distributed.nanny.preload": ["dask_shm"],
-            "shm.shared-memory.enabled": True,
-            # Every 72 KiB value goes to its peers as a file: what this bench
-            # measures is many shared files per worker. By default values under
-            # transfer-min-size (1 MiB) travel as bytes, as in stock.
-            "shm.shared-memory.transfer-min-size": TRANSFER_MIN_SIZE,
-        }
+    config = _config(impl)
     results: list[float] = []
     with (
         dask.config.set(config),
@@ -158,8 +190,8 @@ def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
         ) as cluster,
         Client(cluster) as client,
     ):
-        kinds = client.run(lambda dask_worker: type(dask_worker.data).__name__)
-        assert set(kinds.values()) == {"SharedSpillBuffer" if impl == "ours" else "SpillBuffer"}
+        kinds = client.run(lambda dask_worker: type(dask_worker.data).__module__)
+        assert set(kinds.values()) == {BUFFER_MODULES[impl]}, kinds
         dsk = graph(keys)
         client.register_plugin(loop_attribution.LoopAttribution(threshold=SLOW_CALLBACK))
         client.run(loop_attribution.reset)
@@ -169,7 +201,9 @@ def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
         def compute() -> None:
             results.append(client.get(dsk, "total"))
 
+        cpu_before = sum(client.run(_cpu_seconds).values())
         benchmark.pedantic(compute, rounds=1, iterations=1)
+        worker_cpu = sum(client.run(_cpu_seconds).values()) - cpu_before
         loop_tick = cluster.scheduler.digests_max.get("tick-duration", 0.0)
         figures = client.run(_worker_figures)
         loops = client.run(loop_attribution.report)
@@ -179,6 +213,7 @@ def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
         {
             "max_tick_loop_ms": round(loop_tick * 1000, 1),
             "max_tick_worker_ms": round(worker_tick * 1000, 1),
+            "worker_cpu_s": round(worker_cpu, 2),
             "shared_files": int(sum(f["files"] for f in figures.values())),
             "mapped_values": int(sum(f["mapped"] for f in figures.values())),
             **{k: round(v, 1) for k, v in loop_attribution.summary(loops).items()},
@@ -186,7 +221,8 @@ def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
     )
     _print_slow_callbacks(impl, loops)
     print(
-        f"\n{impl} {keys:,} keys: {benchmark.stats.stats.median:.1f} s, max tick "
-        f"scheduler/nanny loop {loop_tick * 1000:.0f} ms, workers {worker_tick * 1000:.0f} ms"
+        f"\n{impl} {keys:,} keys: {benchmark.stats.stats.median:.1f} s, workers' CPU "
+        f"{worker_cpu:.1f} s, max tick scheduler/nanny loop {loop_tick * 1000:.0f} ms, "
+        f"workers {worker_tick * 1000:.0f} ms"
     )
     RESULTS.setdefault(keys, {})[impl] = results[0]

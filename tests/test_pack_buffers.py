@@ -38,7 +38,12 @@ MESSAGES = [
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_the_same_bytes_as_msgpack(message: object) -> None:
     small = pack_buffers.SMALL_BUFFER_MSGPACK
-    for kwargs in ({}, {"use_bin_type": True}, {"use_bin_type": True, "default": str}):
+    for kwargs in (
+        {},
+        {"use_bin_type": True},
+        {"use_bin_type": True, "default": str},
+        {"buf_size": 16},  # a caller's own starting size wins over ours
+    ):
         assert small.dumps(message, **kwargs) == msgpack.dumps(message, **kwargs)
         assert small.packb(message, **kwargs) == msgpack.packb(message, **kwargs)
     assert small.loads is msgpack.loads
