@@ -20,8 +20,15 @@ runs the scheduler and the nannies (the client's too: one process), and
 ``max_tick_worker_ms``, the largest of any worker's, from distributed's own
 ``tick-duration`` metric (``Server.digests_max``), reset once the cluster is
 up; ``shared_files`` (ours: files held by the workers at the end). Every
-worker event-loop callback of 100 ms or more is attributed to the code that
-ran in it (``tests/loop_attribution.py``): ``slow_callbacks``,
+worker event-loop callback of 100 ms or more is timed and attributed to the
+code that ran in it by sampling the loop thread's stack every 2 ms
+(``tests/loop_attribution.py``). That sampler takes the GIL 500 times a
+second per worker; ``DASK_SHM_BENCH_LOOP_SAMPLES=0`` turns it off (the
+callbacks are then timed only, their time ``unsampled``) for wall times
+without it. Whether it slows shared mode more than stock is not settled
+(10,000 keys, dev box, stock / preload / shared alternated: shared mode
+1.29x, 1.17x, 1.25x and 0.85x stock's wall with it, 0.82x, 0.87x and
+1.11x without): ``slow_callbacks``,
 ``max_callback_ms``, and ``max_dask_shm_ms`` / ``max_distributed_ms``, the
 most any one of them spent in dask-shm's / distributed's code
 (``max_dask_shm_cpu_ms``: on the loop thread's CPU), ``max_gc_ms``; the five
@@ -75,6 +82,8 @@ IMPLS = os.environ.get("DASK_SHM_BENCH_IMPLS", "stock,ours").split(",")
 
 #: worker callbacks this long or longer are attributed (issue 24's bound)
 SLOW_CALLBACK = 0.1
+#: seconds between samples of a worker loop's stack; None: no sampling
+SAMPLE_INTERVAL = None if os.environ.get("DASK_SHM_BENCH_LOOP_SAMPLES") == "0" else 0.002
 
 RESULTS: dict[int, dict[str, float]] = {}
 
@@ -193,7 +202,8 @@ def test_many_shared_keys(benchmark: Any, impl: str, keys: int) -> None:
         kinds = client.run(lambda dask_worker: type(dask_worker.data).__module__)
         assert set(kinds.values()) == {BUFFER_MODULES[impl]}, kinds
         dsk = graph(keys)
-        client.register_plugin(loop_attribution.LoopAttribution(threshold=SLOW_CALLBACK))
+        timer = loop_attribution.LoopAttribution(threshold=SLOW_CALLBACK, interval=SAMPLE_INTERVAL)
+        client.register_plugin(timer)
         client.run(loop_attribution.reset)
         client.run(_reset_ticks)
         cluster.scheduler.digests_max.pop("tick-duration", None)

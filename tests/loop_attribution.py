@@ -84,7 +84,7 @@ class SlowCallback:
 class _Sampler:
     """State shared by the patched ``Handle._run`` and the sampling thread."""
 
-    def __init__(self, loop_thread: int, threshold: float, interval: float):
+    def __init__(self, loop_thread: int, threshold: float, interval: float | None):
         self.loop_thread = loop_thread
         self.threshold = threshold
         self.interval = interval
@@ -168,7 +168,10 @@ class LoopAttribution(WorkerPlugin):
 
     name = "dask-shm-bench-loop-attribution"
 
-    def __init__(self, threshold: float = 0.1, interval: float = 0.002):
+    def __init__(self, threshold: float = 0.1, interval: float | None = 0.002):
+        #: None: callbacks are timed, not sampled (their time is "unsampled"),
+        #: for runs whose wall time should not include a thread taking the
+        #: GIL every ``interval`` seconds.
         self.threshold = threshold
         self.interval = interval
         self._sampler: _Sampler | None = None
@@ -191,7 +194,8 @@ class LoopAttribution(WorkerPlugin):
         asyncio.Handle._run = _run  # type: ignore[method-assign,assignment]
         gc.callbacks.append(sampler.on_gc)
         self._sampler, self._original = sampler, original
-        threading.Thread(target=sampler.sample_forever, daemon=True, name=self.name).start()
+        if self.interval is not None:
+            threading.Thread(target=sampler.sample_forever, daemon=True, name=self.name).start()
 
     def teardown(self, worker: Any) -> None:
         if self._sampler is not None:
