@@ -37,8 +37,9 @@ when that variable is set).
 
 ``worker_cpu_s``: the workers' CPU time (user + system, ``psutil``) over the
 computation. ``DASK_SHM_BENCH_IMPLS`` (default ``stock,ours``) lists the runs,
-in order; ``default`` is dask-shm's preload without shared memory (its
-buffer, AMM and spans), so ``stock,default,ours`` separates what shared
+in order; ``default`` is dask-shm preloaded without shared memory (on the
+workers, nannies and, for its AMM and spans, the scheduler; ``ours`` preloads
+the workers and nannies), so ``stock,default,ours`` separates what shared
 mode costs from what the preload does.
 
 ``DASK_SHM_BENCH_KEYS`` (default 100000; e.g. 5000 for a run of a few
