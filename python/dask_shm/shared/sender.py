@@ -113,7 +113,7 @@ class _HandleSwappingComm:
         if self._offload_bytes is None:
             return False
         values = (w.data if isinstance(w, Serialize) else w for w in data.values())
-        return sum(_nbytes(v) for v in values) > self._offload_bytes
+        return sum(safe_sizeof(v) for v in values) > self._offload_bytes
 
     def _swap(self, data: dict) -> dict:
         counters = self._buffer.shm_counters
@@ -126,7 +126,7 @@ class _HandleSwappingComm:
                 handle = self._buffer.export(key, self._tiers)
             if handle is None:
                 counters["fallback_transfers"] += 1
-                counters["fallback_bytes"] += _nbytes(value) if nbytes is None else nbytes
+                counters["fallback_bytes"] += safe_sizeof(value) if nbytes is None else nbytes
                 # Sent the stock way: its fine metrics are stock's alone.
                 out[key] = wrapped
                 continue
@@ -148,7 +148,7 @@ class _HandleSwappingComm:
         bytes. None otherwise: a value in a file is linked whatever its size."""
         if self._min_bytes <= 0 or self._buffer.store.file_of(key) is not None:
             return None
-        return _nbytes(value)
+        return safe_sizeof(value)
 
     def delete_links(self) -> None:
         """Delete the links made for this request, and any made from now on."""
@@ -164,10 +164,6 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _nbytes(value: object) -> int:
-    return safe_sizeof(value)
 
 
 GetData = Callable[..., Awaitable[Any]]
