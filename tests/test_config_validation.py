@@ -34,6 +34,7 @@ shared = SharedMemorySettings.from_config
         ("shm.shared-memory.root", 5, shared),
         ("shm.shared-memory.min-size", "-1 MiB", shared),
         ("shm.shared-memory.transfer-min-size", "small", shared),
+        ("shm.shared-memory.write-ahead", "sometimes", shared),
         ("shm.shared-memory.min-shared-fraction", "half", shared),
         ("shm.shared-memory.max-bytes", 1.5, shared),
         ("shm.shared-memory.max-bytes", -1, shared),
@@ -66,6 +67,7 @@ def test_bad_values_are_refused_naming_key_value_and_what_is_accepted(
         ("shm.shared-memory.min-size", "1 KiB", 1024),
         ("shm.shared-memory.transfer-min-size", "256 KiB", 256 * 1024),
         ("shm.shared-memory.min-shared-fraction", 1, 1.0),
+        ("shm.shared-memory.write-ahead", False, False),
     ],
 )
 def test_good_values_are_read(key: str, value: object, expected: object) -> None:
@@ -75,7 +77,7 @@ def test_good_values_are_read(key: str, value: object, expected: object) -> None
 
 def test_every_shipped_default_passes_its_schema() -> None:
     leaves = [k for k in known_keys() if not any(o.startswith(k + ".") for o in known_keys())]
-    assert len(leaves) == 23
+    assert len(leaves) == 24
     for key in leaves:
         setting(key)
 

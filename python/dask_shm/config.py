@@ -309,6 +309,9 @@ class SharedMemorySettings:
     #: Values still in private memory go to a same-host peer as a file
     #: only from this size (smaller ones as bytes).
     transfer_min_size: int = 2**20
+    #: Write fresh values of ``transfer_min_size`` or more to their file as
+    #: soon as they are stored when their task prefix usually goes to a peer.
+    write_ahead: bool = True
 
     @classmethod
     def from_config(cls) -> SharedMemorySettings:
@@ -339,7 +342,14 @@ class SharedMemorySettings:
             disk_root = default_disk_root(temporary_directory())
         transfer_min_size = setting_bytes("shm.shared-memory.transfer-min-size")
         return cls(
-            enabled, root, min_size, min_shared_fraction, max_bytes, disk_root, transfer_min_size
+            enabled,
+            root,
+            min_size,
+            min_shared_fraction,
+            max_bytes,
+            disk_root,
+            transfer_min_size,
+            write_ahead=bool(get("write-ahead")),
         )
 
 

@@ -187,9 +187,11 @@ def format_info(info: HostInfo) -> str:
         rows.append(
             (
                 "validated shared-memory settings",
-                f"enabled={s.enabled}, root={s.root}, min-size={format_bytes(s.min_size)}, "
+                f"enabled={plain(s.enabled)}, root={s.root}, "
+                f"min-size={format_bytes(s.min_size)}, "
                 f"min-shared-fraction={s.min_shared_fraction}, "
-                f"transfer-min-size={format_bytes(s.transfer_min_size)}",
+                f"transfer-min-size={format_bytes(s.transfer_min_size)}, "
+                f"write-ahead={plain(s.write_ahead)}",
             )
         )
     rows.extend(("invalid", message) for message in info.config_errors)

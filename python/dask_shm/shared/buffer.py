@@ -34,6 +34,7 @@ import uuid
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,11 +46,12 @@ from distributed.sizeof import safe_sizeof
 from dask_shm import arrow_pool
 from dask_shm._core import ForgedHandleError, MappedFile, flush_deletes, read_peer_file
 from dask_shm.config import byte_size, fraction, spill_limit
-from dask_shm.shared import limits, paths
+from dask_shm.shared import born, limits, paths
 from dask_shm.shared.guard import ensure_value
 from dask_shm.shared.payload import read_tracking_mapping
 from dask_shm.shared.store import Handle, SharedSpillStore, mapped_values_bound
 from dask_shm.shared.tiers import TieredFiles, TierSpec, open_tiers, tier_specs, tiers_of
+from dask_shm.shared.write_ahead import ExportForecast
 from dask_shm.spill import SpillBuffer, _Handled
 from dask_shm.spill_store import MaxSpillExceeded, PickleError, file_stem, frames_to_object
 
@@ -125,7 +127,10 @@ class SharedSpillBuffer(SpillBuffer):
       are mapped again when next used;
     - :meth:`export` hands a key's file to a same-host peer; :meth:`receive`
       takes a peer's file in (one validated hard link, owned by this buffer
-      from then on: released when the value is dropped unstored, or on close).
+      from then on: released when the value is dropped unstored, or on close);
+    - after :meth:`start_writing_ahead`, a fresh value whose task prefix
+      usually goes to a peer is written to its file on a thread of its own
+      as soon as it is stored (see :mod:`~dask_shm.shared.write_ahead`).
 
     Build one with :meth:`create` (settings as arguments) or
     :meth:`from_config` (reads ``shm.shared-memory.*``).
@@ -152,6 +157,14 @@ class SharedSpillBuffer(SpillBuffer):
         self.shm_counters: defaultdict[str, int] = defaultdict(int)
         self._arrivals: dict[str, list[_Arrival]] = {}
         self._closed = False
+        #: values of this many bytes or more are considered for writing ahead
+        self._ahead_min_bytes = 0
+        self._forecast: ExportForecast | None = None
+        self._ahead_thread: ThreadPoolExecutor | None = None
+        #: keys being written ahead -> the write
+        self._ahead: dict[Key, Future[None]] = {}
+        #: keys written ahead and not exported since
+        self._written_ahead: set[Key] = set()
         # The shared store keeps its own weak cache of private values (mapped
         # values need none: the kernel shares their pages); the LRU is charged
         # for this worker's tmpfs files.
@@ -345,7 +358,8 @@ class SharedSpillBuffer(SpillBuffer):
 
     def close(self) -> None:
         """Release every arrival not yet stored (their files are deleted, as
-        are those of every key removed before; this waits for them)."""
+        are those of every key removed before; this waits for them) and stop
+        writing ahead (a write in flight is waited for, and its file dropped)."""
         with self._operation_lock:
             self._closed = True
             arrivals = [a for lst in self._arrivals.values() for a in lst]
@@ -353,6 +367,9 @@ class SharedSpillBuffer(SpillBuffer):
             for a in arrivals:
                 a.finalizer.detach()
                 self.store.drop_file(a.name)
+        # Outside the lock: a write in flight takes it to finish.
+        if self._ahead_thread is not None:
+            self._ahead_thread.shutdown(wait=True, cancel_futures=True)
         super().close()
         flush_deletes()
 
@@ -368,6 +385,8 @@ class SharedSpillBuffer(SpillBuffer):
         ``value`` is a shared-memory handle instead of the value it names."""
         ensure_value(key, value)
         super().__setitem__(key, value)
+        if self._forecast is not None:
+            self._consider_writing_ahead(key, value)
 
     def __getitem__(self, key: Key) -> object:
         with self._operation_lock:
@@ -417,7 +436,12 @@ class SharedSpillBuffer(SpillBuffer):
                 self._unmap_over_bound(key)
 
     def __delitem__(self, key: Key) -> None:
+        if self._forecast is not None:
+            self._forecast.deleted(key)
         with self._operation_lock:
+            if key in self._written_ahead:
+                self._written_ahead.discard(key)
+                self.shm_counters["written_ahead_unused"] += 1
             super().__delitem__(key)
             self.store.discard_retained(key)
 
@@ -459,6 +483,60 @@ class SharedSpillBuffer(SpillBuffer):
 
     # -- same-host transfers -----------------------------------------------------
 
+    def start_writing_ahead(self, min_bytes: int, forecast: ExportForecast | None = None) -> None:
+        """From now on, write a value of ``min_bytes`` or more (by ``sizeof``)
+        out to its file on a thread of this buffer's as soon as it is stored
+        in private memory, when ``forecast`` (default: a new
+        :class:`~dask_shm.shared.write_ahead.ExportForecast`) expects a peer
+        to fetch it; :meth:`export` then finds the file ready or waits for
+        the write in flight instead of writing the value itself. The value
+        leaves private memory once written, as an exported one does. Values
+        under ``min_bytes`` are sent as bytes anyway (``transfer-min-size``).
+        """
+        self._ahead_min_bytes = min_bytes
+        self._forecast = forecast if forecast is not None else ExportForecast()
+
+    def _consider_writing_ahead(self, key: Key, value: object) -> None:
+        if self._closed or self.fast.weights.get(key, 0) < self._ahead_min_bytes:
+            return  # small, backed by a file (little private weight) or evicted at once
+        if self.fast.d.get(key) is not value or born.whole_block(value) is not None:
+            return  # a born-shared array is handed over without a copy anyway
+        assert self._forecast is not None
+        if not self._forecast.stored(key):
+            return
+        if self._ahead_thread is None:
+            self._ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="dask-shm-write-ahead")
+        try:
+            self._ahead[key] = self._ahead_thread.submit(self._write_ahead, key, value)
+        except RuntimeError:  # closed meanwhile
+            return
+
+    def _write_ahead(self, key: Key, value: object) -> None:
+        """Write ``value``, ``key``'s value in private memory, to a new file
+        and make that file the key's (on this buffer's write-ahead thread).
+        The copy runs without the buffer's locks; if the key changed
+        meanwhile or the buffer closed, the file is dropped. Errors (a full
+        root, a value that does not pickle) are left for the export to meet
+        again: nothing changes."""
+        store = self.store
+        try:
+            name = store.write_file(key, value, only_shared=True)
+            if name is None:
+                return  # not worth sharing
+            with self._operation_lock:
+                with self.lock:
+                    if self._closed or self.fast.d.get(key) is not value:
+                        store.drop_file(name)
+                        return
+                    store.register_file(key, name)
+                    self._drop_private(key)
+                    self._written_ahead.add(key)
+                    self.shm_counters["written_ahead"] += 1
+        except (MaxSpillExceeded, PickleError, OSError) as e:
+            logger.debug("dask-shm: cannot write %r ahead: %s", key, e)
+        finally:
+            self._ahead.pop(key, None)
+
     def export(self, key: Key, tiers: Collection[int] | None = None) -> Handle | None:
         """Make sure ``key`` is in a file and return a handle for a peer on
         this host (a fresh hard link the caller deletes once the peer has
@@ -476,7 +554,21 @@ class SharedSpillBuffer(SpillBuffer):
         (the copy of a large value takes milliseconds per MiB on 4 KiB tmpfs
         pages). If the key changed in the meantime (deleted, replaced,
         spilled), the new file is dropped and what the key is now decides; if
-        the buffer closed, the file is dropped and None returned."""
+        the buffer closed, the file is dropped and None returned.
+
+        A write ahead of ``key`` in flight is waited for (it is the same
+        write, started earlier): the caller must not hold this buffer's
+        locks, which that write takes to finish."""
+        writing = self._ahead.get(key)
+        if writing is not None:
+            wait([writing])
+        handle = self._export(key, tiers)
+        if handle is not None and self._forecast is not None:
+            self._forecast.exported(key)
+            self._written_ahead.discard(key)
+        return handle
+
+    def _export(self, key: Key, tiers: Collection[int] | None) -> Handle | None:
         with self._operation_lock:
             store = self.store
             with self.lock:
@@ -516,11 +608,16 @@ class SharedSpillBuffer(SpillBuffer):
     def _exported(self, key: Key, tiers: Collection[int] | None) -> Handle | None:
         """``key``'s value was just written to its file: drop the private
         copy and link the file out. Under both locks."""
+        self._drop_private(key)
+        return self.store.export(key, tiers)
+
+    def _drop_private(self, key: Key) -> None:
+        """``key``'s file now holds its value: the private copy leaves memory.
+        Under both locks."""
         del self.fast[key]
         # The private copy is gone (unless a task still holds it): pyarrow's
         # pool would keep its pages.
         arrow_pool.release_unused()
-        return self.store.export(key, tiers)
 
     @staticmethod
     def _not_exported(key: Key, e: Exception) -> None:

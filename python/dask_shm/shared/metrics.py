@@ -13,7 +13,10 @@ and Prometheus series ``<namespace>_shm_worker_*`` on the worker's
   and for P2P shuffles and rechunks ``..._shm_p2p_file_batches_total``,
   ``..._shm_p2p_file_bytes_total`` (batches handed to same-host peers as
   files), ``..._shm_p2p_tcp_batches_total``, ``..._shm_p2p_tcp_bytes_total``
-  (sent over the network, stock), ``..._shm_p2p_file_fallbacks_total``.
+  (sent over the network, stock), ``..._shm_p2p_file_fallbacks_total``,
+  and for values written out before a peer asked for them
+  (:mod:`~dask_shm.shared.write_ahead`) ``..._shm_written_ahead_total`` and
+  ``..._shm_written_ahead_unused_total`` (deleted without being handed over).
 
 All carry a ``worker`` label (the worker's address): one process may hold
 several workers (``LocalCluster(processes=False)``)."""
@@ -47,6 +50,8 @@ COUNTERS = (
     "p2p_tcp_batches",
     "p2p_tcp_bytes",
     "p2p_file_fallbacks",
+    "written_ahead",
+    "written_ahead_unused",
 )
 
 _DESCRIPTIONS = {
@@ -76,6 +81,8 @@ _DESCRIPTIONS = {
     "p2p_tcp_batches": "P2P shard batches sent over the network",
     "p2p_tcp_bytes": "Bytes of P2P shard batches sent over the network (sizeof estimate)",
     "p2p_file_fallbacks": "P2P shard batches meant to go by file but sent over the network",
+    "written_ahead": "Fresh values written to shared memory before a peer asked for them",
+    "written_ahead_unused": "Values written ahead and deleted without being handed to a peer",
 }
 
 
@@ -201,6 +208,8 @@ SERIES: dict[str, Series] = {
     "p2p_tcp_batches": Series("p2p_tcp_batches", "counter", ""),
     "p2p_tcp_bytes": Series("p2p_tcp", "counter", "bytes"),
     "p2p_file_fallbacks": Series("p2p_file_fallbacks", "counter", ""),
+    "written_ahead": Series("written_ahead", "counter", ""),
+    "written_ahead_unused": Series("written_ahead_unused", "counter", ""),
 }
 
 

@@ -146,6 +146,8 @@ class SharedMemoryPlugin(WorkerPlugin):
         self._original_get_data = install_get_data(
             worker, buffer, self._registry, tokens, transfer_min_size
         )
+        if settings.write_ahead:
+            buffer.start_writing_ahead(max(settings.transfer_min_size, settings.min_size))
         pack_buffers.install()
         first = buffer.store.tiers.tiers[0].number
         if first in tokens:
