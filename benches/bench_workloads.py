@@ -47,6 +47,9 @@ it goes, with the load average):
 - ``p2p_file_bytes``: bytes of P2P shard batches handed to a peer as a file
   (0 for stock; a shuffle's or rechunk's shards, which ``link_bytes`` does
   not count);
+- ``written_ahead``, ``written_ahead_unused``: values written to shared
+  memory before a peer asked for them, and of those the ones deleted without
+  being handed over (see ``dask_shm.shared.write_ahead``; 0 for stock);
 - ``born_shared``: whether the workers allocate arrays born shared
   (False for stock);
 - ``worker_restarts``: workers the scheduler removed during the compute
@@ -223,10 +226,13 @@ def loopback_sent() -> int:
     return int(psutil.net_io_counters(pernic=True)["lo"].bytes_sent)
 
 
-def _handed_over(dask_worker: Any) -> tuple[float, float]:
-    """Bytes handed over by link and P2P shard bytes handed over by file."""
+HANDED_OVER = ("link_bytes", "p2p_file_bytes", "written_ahead", "written_ahead_unused")
+
+
+def _handed_over(dask_worker: Any) -> list[float]:
+    """This worker's :data:`HANDED_OVER` figures."""
     figures = shm_metrics(dask_worker)
-    return figures["link_bytes"], figures["p2p_file_bytes"]
+    return [figures[name] for name in HANDED_OVER]
 
 
 def _workers_removed(dask_scheduler: Any) -> int:
@@ -287,9 +293,8 @@ def test_workload(
             benchmark.pedantic(compute, rounds=1, iterations=1)
         loopback = loopback_sent() - lo0
         restarts = client.run_on_scheduler(_workers_removed) - removed0
-        handed = client.run(_handed_over).values()
-        link = sum(h[0] for h in handed)
-        p2p_file = sum(h[1] for h in handed)
+        handed = list(client.run(_handed_over).values())
+        totals = {name: int(sum(h[i] for h in handed)) for i, name in enumerate(HANDED_OVER)}
     result = results[0]
     figures = {f"{name}_bytes": peak.increase(field) for field, name in FIELDS.items()}
     host = host_used(peak.peak) - host_used(peak.before)
@@ -299,8 +304,7 @@ def test_workload(
         "outside_bytes": host - figures["anon_pages_bytes"] - figures["shmem_bytes"],
         "host_less_percpu_bytes": host - figures["percpu_free_bytes"],
         "loopback_bytes": loopback,
-        "link_bytes": int(link),
-        "p2p_file_bytes": int(p2p_file),
+        **totals,
         "born_shared": born,
         "worker_restarts": restarts,
         "pcp_high_fraction": pcp_high_fraction,
@@ -323,6 +327,7 @@ def test_workload(
         f"  outside {mib['outside_bytes']:5.0f}  host-pcp {mib['host_less_percpu_bytes']:6.0f}"
         f"  lo {mib['loopback_bytes']:6.0f}  link {mib['link_bytes']:6.0f}"
         f"  p2p-file {mib['p2p_file_bytes']:6.0f} MiB"
+        f"  ahead {info['written_ahead']} ({info['written_ahead_unused']} unused)"
         f"  equal {info.get('equal_to_stock', '-')}  born {born}  restarts {restarts}"
         f"  load {info['load_average']}"
         f"  pcp-fraction {pcp_high_fraction}"
