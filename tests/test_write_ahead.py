@@ -188,6 +188,7 @@ def test_a_value_replaced_or_deleted_during_its_write_keeps_no_file(buffer, fore
         buffer["hop-102"] = array(float(round_), nbytes=16 * MB)
         buffer["hop-102"] = array(-1.0)  # replaced while the first is being written
         del buffer["hop-102"]
+    wait_for(lambda: not buffer._ahead)  # no write left registered as in flight
     buffer.close()  # waits for the write in flight
     assert files_in(buffer) == []
     assert not any(t.name.startswith("dask-shm-write-ahead") for t in threading.enumerate())
@@ -236,3 +237,22 @@ def test_a_chain_across_two_workers_is_written_ahead_unless_switched_off(write_a
             assert written >= hops - 2 * (MIN_SEEN + 1)
         else:
             assert written == 0
+
+
+def test_an_export_waiting_for_a_write_that_close_cancelled_returns(buffer, forecast):
+    """Writes queued behind a long one are cancelled by close; an export
+    waiting for one of them returns instead of waiting forever."""
+    train(forecast, "hop", 20, 0)
+    for i in range(4):
+        buffer[f"hop-{200 + i}"] = array(float(i), nbytes=48 * MB)
+    results = []
+    exporter = threading.Thread(target=lambda: results.append(buffer.export("hop-203")))
+    closer = threading.Thread(target=buffer.close)
+    exporter.start()
+    closer.start()
+    exporter.join(timeout=60)
+    closer.join(timeout=60)
+    assert not exporter.is_alive() and not closer.is_alive()
+    assert len(results) == 1  # a handle or None: whichever came first
+    if results[0] is not None:
+        os.unlink(results[0].path)

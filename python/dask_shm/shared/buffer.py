@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import uuid
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,6 +102,14 @@ def _follow(
     return (lambda v: finalizer.alive and id(v) == value_id and type(v) is value_type), finalizer
 
 
+def _finish(done: Future[None]) -> None:
+    """Wake whoever waits for a write ahead (once; a second call does nothing)."""
+    try:
+        done.set_result(None)
+    except InvalidStateError:
+        pass
+
+
 def _abandoned(buffer_ref: weakref.ref[SharedSpillBuffer], stem: str, name: str) -> None:
     """The value of an arrival died before it was stored (fetch cancelled or
     failed): delete its file now."""
@@ -161,8 +170,9 @@ class SharedSpillBuffer(SpillBuffer):
         self._ahead_min_bytes = 0
         self._forecast: ExportForecast | None = None
         self._ahead_thread: ThreadPoolExecutor | None = None
-        #: keys being written ahead -> the write
+        #: keys being written ahead -> done when that write is over (or dropped)
         self._ahead: dict[Key, Future[None]] = {}
+        self._ahead_lock = threading.Lock()
         #: keys written ahead and not exported since
         self._written_ahead: set[Key] = set()
         # The shared store keeps its own weak cache of private values (mapped
@@ -370,6 +380,10 @@ class SharedSpillBuffer(SpillBuffer):
         # Outside the lock: a write in flight takes it to finish.
         if self._ahead_thread is not None:
             self._ahead_thread.shutdown(wait=True, cancel_futures=True)
+            with self._ahead_lock:  # writes cancelled before they began
+                dropped, self._ahead = list(self._ahead.values()), {}
+            for done in dropped:
+                _finish(done)
         super().close()
         flush_deletes()
 
@@ -506,12 +520,21 @@ class SharedSpillBuffer(SpillBuffer):
             return
         if self._ahead_thread is None:
             self._ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="dask-shm-write-ahead")
+        done: Future[None] = Future()
+        with self._ahead_lock:
+            self._ahead[key] = done
         try:
-            self._ahead[key] = self._ahead_thread.submit(self._write_ahead, key, value)
+            self._ahead_thread.submit(self._write_ahead, key, value, done)
         except RuntimeError:  # closed meanwhile
-            return
+            self._end_write_ahead(key, done)
 
-    def _write_ahead(self, key: Key, value: object) -> None:
+    def _end_write_ahead(self, key: Key, done: Future[None]) -> None:
+        with self._ahead_lock:
+            if self._ahead.get(key) is done:  # not a later write of the same key's
+                del self._ahead[key]
+        _finish(done)
+
+    def _write_ahead(self, key: Key, value: object, done: Future[None]) -> None:
         """Write ``value``, ``key``'s value in private memory, to a new file
         and make that file the key's (on this buffer's write-ahead thread).
         The copy runs without the buffer's locks; if the key changed
@@ -535,7 +558,7 @@ class SharedSpillBuffer(SpillBuffer):
         except (MaxSpillExceeded, PickleError, OSError) as e:
             logger.debug("dask-shm: cannot write %r ahead: %s", key, e)
         finally:
-            self._ahead.pop(key, None)
+            self._end_write_ahead(key, done)
 
     def export(self, key: Key, tiers: Collection[int] | None = None) -> Handle | None:
         """Make sure ``key`` is in a file and return a handle for a peer on
