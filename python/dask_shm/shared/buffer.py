@@ -543,6 +543,9 @@ class SharedSpillBuffer(SpillBuffer):
         again: nothing changes."""
         store = self.store
         try:
+            with self.lock:
+                if self._closed or self.fast.d.get(key) is not value:
+                    return  # deleted, replaced or spilled while queued: nothing to write
             name = store.write_file(key, value, only_shared=True)
             if name is None:
                 return  # not worth sharing
