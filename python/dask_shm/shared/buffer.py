@@ -551,13 +551,9 @@ class SharedSpillBuffer(SpillBuffer):
                 return  # not worth sharing
             with self._operation_lock:
                 with self.lock:
-                    if self._closed or self.fast.d.get(key) is not value:
-                        store.drop_file(name)
-                        return
-                    store.register_file(key, name)
-                    self._drop_private(key)
-                    self._written_ahead.add(key)
-                    self.shm_counters["written_ahead"] += 1
+                    if self._adopt_written(key, value, name):
+                        self._written_ahead.add(key)
+                        self.shm_counters["written_ahead"] += 1
         except (MaxSpillExceeded, PickleError, OSError) as e:
             logger.debug("dask-shm: cannot write %r ahead: %s", key, e)
         finally:
@@ -618,18 +614,25 @@ class SharedSpillBuffer(SpillBuffer):
         with self._operation_lock:
             with self.lock:
                 try:
-                    if self._closed:
-                        store.drop_file(name)
-                        return None
-                    if self.fast.d.get(key) is not value:
-                        store.drop_file(name)
-                        if store.file_of(key) is None:
-                            return None
+                    if self._adopt_written(key, value, name):
                         return store.export(key, tiers)
-                    store.register_file(key, name)
-                    return self._exported(key, tiers)
+                    if self._closed or store.file_of(key) is None:
+                        return None
+                    return store.export(key, tiers)  # the key's file now
                 except (MaxSpillExceeded, PickleError, OSError) as e:
                     return self._not_exported(key, e)
+
+    def _adopt_written(self, key: Key, value: object, name: str) -> bool:
+        """File ``name``, written from ``value`` without the locks, becomes
+        ``key``'s and the private copy leaves memory, if the buffer is open
+        and ``key`` still holds ``value``; else the file is dropped and False
+        returned. Under both locks."""
+        if self._closed or self.fast.d.get(key) is not value:
+            self.store.drop_file(name)
+            return False
+        self.store.register_file(key, name)
+        self._drop_private(key)
+        return True
 
     def _exported(self, key: Key, tiers: Collection[int] | None) -> Handle | None:
         """``key``'s value was just written to its file: drop the private

@@ -73,9 +73,6 @@ class ExportForecast:
         """``key``'s value left the worker (or was replaced)."""
         self._close(key, False)
 
-    def is_open(self, key: Key) -> bool:
-        return key in self._open
-
     def share(self, prefix: str) -> tuple[int, int]:
         """(values exported, values known) of ``prefix`` in the current window."""
         with self._lock:
