@@ -50,6 +50,12 @@ it goes, with the load average):
 - ``written_ahead``, ``written_ahead_unused``: values written to shared
   memory before a peer asked for them, and of those the ones deleted without
   being handed over (see ``dask_shm.shared.write_ahead``; 0 for stock);
+- ``task_seconds``: the workers' time in tasks (sum of the task stream's
+  compute intervals); ``busy``: that over workers x wall, the share of the
+  worker threads' time spent computing (near 1: the wall is the tasks' own
+  work, which no hand-over can shorten); ``transfers`` and
+  ``transfer_median_ms``: hand-overs between workers and the median of their
+  durations as the receiving worker timed them (request to value in memory);
 - ``born_shared``: whether the workers allocate arrays born shared
   (False for stock);
 - ``worker_restarts``: workers the scheduler removed during the compute
@@ -72,6 +78,7 @@ import gc
 import logging
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -83,6 +90,7 @@ import dask
 import psutil
 import pytest
 from dask.utils import parse_bytes
+from distributed import get_task_stream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from clusters import process_cluster  # noqa: E402
@@ -235,6 +243,25 @@ def _handed_over(dask_worker: Any) -> list[float]:
     return [figures[name] for name in HANDED_OVER]
 
 
+def task_stream_figures(records: list[dict[str, Any]], workers: int, wall: float) -> dict[str, Any]:
+    """:func:`distributed.get_task_stream` records -> ``task_seconds``,
+    ``busy``, ``transfers`` and ``transfer_median_ms`` (see the module's
+    docstring)."""
+    durations: dict[str, list[float]] = {"compute": [], "transfer": []}
+    for record in records:
+        for interval in record["startstops"]:
+            if interval["action"] in durations:
+                durations[interval["action"]].append(interval["stop"] - interval["start"])
+    computes, transfers = durations["compute"], durations["transfer"]
+    task_seconds = sum(computes)
+    return {
+        "task_seconds": round(task_seconds, 2),
+        "busy": round(task_seconds / (workers * wall), 3) if wall > 0 else None,
+        "transfers": len(transfers),
+        "transfer_median_ms": round(statistics.median(transfers) * 1000, 2) if transfers else None,
+    }
+
+
 def _workers_removed(dask_scheduler: Any) -> int:
     """Workers the scheduler has removed so far (a nanny restarting one above
     ``terminate`` removes it): events, not the current count, so a restarted
@@ -285,12 +312,13 @@ def test_workload(
         settle_percpu_free()
         lo0 = loopback_sent()
         removed0 = client.run_on_scheduler(_workers_removed)
-        with PeakMeminfo() as peak:
+        with PeakMeminfo() as peak, get_task_stream(client) as stream:
 
             def compute() -> None:
                 results.append(run(client, memory, SCALE))
 
             benchmark.pedantic(compute, rounds=1, iterations=1)
+        tasks = task_stream_figures(stream.data, WORKERS, benchmark.stats.stats.median)
         loopback = loopback_sent() - lo0
         restarts = client.run_on_scheduler(_workers_removed) - removed0
         handed = list(client.run(_handed_over).values())
@@ -305,6 +333,7 @@ def test_workload(
         "host_less_percpu_bytes": host - figures["percpu_free_bytes"],
         "loopback_bytes": loopback,
         **totals,
+        **tasks,
         "born_shared": born,
         "worker_restarts": restarts,
         "pcp_high_fraction": pcp_high_fraction,
@@ -328,6 +357,8 @@ def test_workload(
         f"  lo {mib['loopback_bytes']:6.0f}  link {mib['link_bytes']:6.0f}"
         f"  p2p-file {mib['p2p_file_bytes']:6.0f} MiB"
         f"  ahead {info['written_ahead']} ({info['written_ahead_unused']} unused)"
+        f"  tasks {tasks['task_seconds']} s (busy {tasks['busy']})"
+        f"  transfers {tasks['transfers']} (median {tasks['transfer_median_ms']} ms)"
         f"  equal {info.get('equal_to_stock', '-')}  born {born}  restarts {restarts}"
         f"  load {info['load_average']}"
         f"  pcp-fraction {pcp_high_fraction}"
