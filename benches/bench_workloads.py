@@ -348,7 +348,7 @@ def test_workload(
     benchmark.extra_info.update(info)
     mib = {k: v / 2**20 for k, v in info.items() if k.endswith("_bytes")}
     print(
-        f"\n{workload:<14} {impl:<5} r{round_} wall {benchmark.stats.stats.median:6.1f} s"
+        f"\n{workload:<23} {impl:<5} r{round_} wall {benchmark.stats.stats.median:6.1f} s"
         f"  host {mib['host_peak_bytes']:7.0f} MiB  anon {mib['anon_pages_bytes']:6.0f}"
         f"  shmem {mib['shmem_bytes']:6.0f}  ptables {mib['page_tables_bytes']:4.0f}"
         f"  slab {mib['slab_bytes']:4.0f}  mapped {mib['mapped_bytes']:5.0f}"

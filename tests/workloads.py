@@ -23,10 +23,24 @@ compared (equal sums).
   a column with ``shuffle_method="p2p"``.
 - ``spilling`` (test_spill.py, ``release``): an array of 1.79x the memory
   persisted (it spills), then its sum, the array released meanwhile.
+- ``quadratic_mean`` (test_xarray.py ``test_quadratic_mean``, array
+  backend): an xarray Dataset of two random variables ``(time, face, j, i)``
+  of the memory each, in chunks of 10 time steps (11.7 MiB); their squares
+  and their product, averaged over time. Its partial means (1.2 MiB each)
+  move between workers.
+- ``monthly_map_reduce``, ``monthly_cohorts``, ``monthly_chunked_cohorts``
+  (test_xarray.py ``test_xarray_groupby_reduction``, whose dataset is on S3:
+  here random data of its layout): two years of 3-hourly ``(time, y, x)``
+  fields of the cluster's memory in ``(224, 68, 68)`` chunks (8.3 MiB; the
+  zarr store's 224 time steps), ``groupby("time.month").mean()`` by flox
+  with ``method="map-reduce"``, ``"cohorts"``, and ``"cohorts"`` after
+  rechunking time by month (``TimeResampler("ME")``).
 - ``matmul`` (not coiled's: ``dask-shm demo``'s n^2 workload):
   ``(x @ x.T).sum()``, x 1/16th of the memory (2 GiB for 8 workers x 4 GiB,
   the size issue 26 measured) as ``n`` by ``4 n`` floats in 32 row blocks:
   every output block needs two row blocks, a pure all-to-all.
+
+The xarray workloads use xarray and flox, as coiled's do (test dependencies).
 
 Each workload is a function ``(client, memory, scale) -> float`` that runs the
 computation on ``client`` and returns its result; ``memory`` is the
@@ -135,6 +149,55 @@ def spilling(client: Client | None, memory: int, scale: float) -> float:
     return float(b.compute())
 
 
+def quadratic_mean(client: Client, memory: int, scale: float) -> float:
+    import xarray as xr
+
+    j, i = 320, 480  # 1.2 MiB a time step (coiled: 987 x 1920)
+    steps = max(20, int(memory * scale / (j * i * 8)))
+    shape, chunks = (steps, 1, j, i), (10, 1, -1, -1)
+    rng = _rng(9)
+    dims = ["time", "face", "j", "i"]
+    ds = xr.Dataset(
+        {
+            "anom_u": (dims, rng.random(shape, chunks=chunks)),
+            "anom_v": (dims, rng.random(shape, chunks=chunks)),
+        }
+    )
+    quad = ds**2
+    quad["uv"] = ds.anom_u * ds.anom_v
+    mean = quad.mean("time")
+    total = sum(mean[name].data.sum() for name in ("anom_u", "anom_v", "uv"))
+    return float(client.compute(total).result())
+
+
+def _monthly_mean(client: Client, memory: int, scale: float, method: str) -> float:
+    import pandas as pd
+    import xarray as xr
+
+    time = pd.date_range("2001-01-01", "2002-12-31 21:00", freq="3h")
+    side = 68
+    blocks = max(1, round(memory * scale / (len(time) * side * side * 8)))
+    data = _rng(10).random((len(time), side, side * blocks), chunks=(224, side, side))
+    arr = xr.DataArray(data, dims=["time", "y", "x"], coords={"time": time})
+    if method == "chunked-cohorts":
+        arr = arr.chunk(time=xr.groupers.TimeResampler("ME"))
+        method = "cohorts"
+    mean = arr.groupby("time.month").mean(method=method)
+    return float(client.compute(mean.data.sum()).result())
+
+
+def monthly_map_reduce(client: Client, memory: int, scale: float) -> float:
+    return _monthly_mean(client, memory, scale, "map-reduce")
+
+
+def monthly_cohorts(client: Client, memory: int, scale: float) -> float:
+    return _monthly_mean(client, memory, scale, "cohorts")
+
+
+def monthly_chunked_cohorts(client: Client, memory: int, scale: float) -> float:
+    return _monthly_mean(client, memory, scale, "chunked-cohorts")
+
+
 def matmul(client: Client, memory: int, scale: float) -> float:
     n = max(32, square_side(memory * scale / 16 / 4))
     x = _rng(8).random((n, 4 * n), chunks=(-(-n // 32), 4 * n))
@@ -153,4 +216,8 @@ WORKLOADS: dict[str, Workload] = {
     "shuffle_p2p": shuffle_p2p,
     "spilling": spilling,
     "matmul": matmul,
+    "quadratic_mean": quadratic_mean,
+    "monthly_map_reduce": monthly_map_reduce,
+    "monthly_cohorts": monthly_cohorts,
+    "monthly_chunked_cohorts": monthly_chunked_cohorts,
 }
