@@ -22,7 +22,14 @@ compared (equal sums).
   float columns, half the memory in partitions of 1/64th of it, shuffled on
   a column with ``shuffle_method="p2p"``.
 - ``spilling`` (test_spill.py, ``release``): an array of 1.79x the memory
-  persisted (it spills), then its sum, the array released meanwhile.
+  persisted (it spills), then its sum, the array released meanwhile; chunks
+  of 1/256th of the cluster's memory (coiled's 128 MiB of 36 GiB: 4 MiB for
+  2 workers x 512 MiB). Until stop 46 they were dask's "auto" 128 MiB, a
+  quarter of a 512 MiB worker: with xarray and scipy installed, which dask
+  imports in every worker that loads dask.array (about 170 MiB at start
+  instead of 120), three such chunks passed the nanny's 95% before the
+  first could be spilled, and both stock and shared mode lost workers in a
+  loop (KilledWorker) or waited on a nanny that stopped restarting them.
 - ``quadratic_mean`` (test_xarray.py ``test_quadratic_mean``, array
   backend): an xarray Dataset of two random variables ``(time, face, j, i)``
   of the memory each, in chunks of 10 time steps (11.7 MiB); their squares
@@ -141,7 +148,7 @@ def shuffle_p2p(client: Client, memory: int, scale: float) -> float:
 def spilling(client: Client | None, memory: int, scale: float) -> float:
     """Without a client (dask's local schedulers): the same sum, never spilled."""
     n = square_side(memory * scale * 1.79)
-    a = _rng(7).random((n, n)).persist()
+    a = _rng(7).random((n, n), chunks=f"{max(MIB, memory // 256)}B").persist()
     if client is not None:
         wait(a)
     b = a.sum().persist()
