@@ -59,11 +59,11 @@ it goes, with the load average):
 - ``born_shared``: whether the workers allocate arrays born shared
   (False for stock);
 - ``worker_restarts``: workers the scheduler removed during the compute
-  (nannies restart a worker above ``terminate``). ``spilling`` is sized to
-  sit near that limit: on the 2-core dev box, 2 x 512 MiB, a worker was
-  restarted in about one run of four (44 pairs: stock 9, shared mode 11), and a run
-  with a restart recomputes what it lost (its wall and peak are not
-  comparable with a clean run's);
+  (nannies restart a worker above ``terminate``). A run with a restart
+  recomputes what it lost: its wall and peak are not comparable with a
+  clean run's. (With ``spilling``'s old 128 MiB chunks, on 2 x 512 MiB, a
+  worker was restarted in about one run of four, 44 pairs: stock 9, shared
+  mode 11; see tests/workloads.py for why its chunks changed);
 - ``pcp_high_fraction``: ``vm.percpu_pagelist_high_fraction`` as the bench
   set it, or None;
 - ``result`` and ``equal_to_stock`` (the same number as stock's run of the
