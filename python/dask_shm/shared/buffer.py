@@ -614,11 +614,10 @@ class SharedSpillBuffer(SpillBuffer):
         with self._operation_lock:
             with self.lock:
                 try:
-                    if self._adopt_written(key, value, name):
-                        return store.export(key, tiers)
-                    if self._closed or store.file_of(key) is None:
-                        return None
-                    return store.export(key, tiers)  # the key's file now
+                    adopted = self._adopt_written(key, value, name)
+                    if not adopted and (self._closed or store.file_of(key) is None):
+                        return None  # closed, or the key left memory and has no file
+                    return store.export(key, tiers)  # the file written, or the key's file now
                 except (MaxSpillExceeded, PickleError, OSError) as e:
                     return self._not_exported(key, e)
 
