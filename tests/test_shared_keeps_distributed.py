@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 
+import dask
 import numpy as np
 import pytest
 from distributed import Nanny, Worker
@@ -114,3 +115,21 @@ async def test_register_plugin_without_the_preload_is_listed_and_torn_down(c, s,
     directory = a.data.store.directory
     await c.unregister_worker_plugin(PLUGIN_NAME)
     assert not os.path.exists(directory)
+
+
+@gen_cluster(client=True, nthreads=[], config=SHARED_BY_CONFIG)
+async def test_the_buffer_checks_the_worker_memory_against_its_spill_threshold(c, s):
+    """After an unspill the buffer asks whether the worker's memory (the
+    figure its memory monitor reads) is above ``memory_limit * spill``; not
+    with spilling off."""
+    async with (
+        Worker(s.address, memory_limit="8 GiB") as roomy,
+        Worker(s.address, memory_limit="64 MiB") as tight,
+    ):
+        assert roomy.data.over_spill_threshold() is False
+        assert tight.monitor.get_process_memory() > 0.7 * 64 * MB
+        assert tight.data.over_spill_threshold() is True
+    with dask.config.set({"distributed.worker.memory.spill": False}):
+        async with Worker(s.address, memory_limit="64 MiB") as unspilling:
+            assert unspilling.monitor.get_process_memory() > 0.7 * 64 * MB
+            assert unspilling.data.over_spill_threshold() is False

@@ -162,6 +162,16 @@ class SharedSpillBuffer(SpillBuffer):
         #: holding the operation lock, so it may call this buffer's methods
         #: but must not wait for another thread that needs them
         self.before_spill: Callable[[], None] | None = None
+        #: whether the worker is above its spill threshold (set by the
+        #: worker's monitor, see :mod:`~dask_shm.shared.monitor`); after each
+        #: unspill through a mapping, older values are evicted while it holds.
+        #: Such a read costs no copy, so a run of them can add more memory
+        #: between two looks of the worker's memory monitor (every 100 ms)
+        #: than there is room for above its spill threshold, up to the
+        #: nanny's terminate threshold (reads by copy go at stock's pace).
+        self.over_spill_threshold: Callable[[], bool] | None = None
+        #: values evicted because an unspill found the worker over that threshold
+        self.evicted_on_unspill = 0
         #: transfers by hard link and their fallbacks
         self.shm_counters: defaultdict[str, int] = defaultdict(int)
         self._arrivals: dict[str, list[_Arrival]] = {}
@@ -404,10 +414,13 @@ class SharedSpillBuffer(SpillBuffer):
 
     def __getitem__(self, key: Key) -> object:
         with self._operation_lock:
+            unspilling = key not in self.fast
             value = super().__getitem__(key)
             self.store.touch_retained(key)
             try:
                 self._unmap_over_bound(key)
+                if unspilling and key in self.store.retained:
+                    self._evict_over_spill_threshold(key)
             except (MaxSpillExceeded, PickleError, OSError) as e:
                 # A value written in place since it was mapped had to be
                 # written out and could not be: it stays in memory (logged).
@@ -416,6 +429,19 @@ class SharedSpillBuffer(SpillBuffer):
                 except _Handled:
                     pass
             return value
+
+    def _evict_over_spill_threshold(self, keep: Key) -> None:
+        """While :attr:`over_spill_threshold` says so, evict the least recently
+        used values other than ``keep`` (the one just mapped), as the worker's
+        memory monitor would at its next look. Evicting a mapped value writes
+        nothing."""
+        over = self.over_spill_threshold
+        if over is None:
+            return
+        while len(self.fast) > 1 and keep in self.fast and over():
+            if self.evict() < 0:
+                return
+            self.evicted_on_unspill += 1
 
     def _unmap_over_bound(self, keep: Key) -> None:
         """Send the least recently used mapped values back to their files

@@ -12,7 +12,9 @@ the spill, pause and terminate thresholds behave as in stock.
 
 - on the worker, ``worker.monitor.get_process_memory`` (the hook distributed
   keeps for exactly this purpose) is replaced: spilling, pausing and the
-  process/unmanaged memory the worker reports all follow;
+  process/unmanaged memory the worker reports all follow; the buffer also
+  compares it with the spill threshold after each unspill through a mapping,
+  since such reads can outpace the monitor's 100 ms looks;
 - on the nanny, the periodic ``memory_monitor`` that restarts a worker above
   ``distributed.worker.memory.terminate`` is replaced by one reading the
   same figure from outside: the worker's private memory, plus the share its
@@ -75,12 +77,24 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
     """Worker memory = private memory + ``buffer``'s tier-2 share; the share
     is also published for the nanny, and the link counts behind it kept
     current, by a :class:`~dask_shm.shared.published_share.SharePublisher`
-    thread."""
+    thread. ``buffer`` also compares that figure with the worker's spill
+    threshold after each unspill through a mapping (see
+    :attr:`~dask_shm.shared.buffer.SharedSpillBuffer.over_spill_threshold`)."""
 
     def worker_memory() -> int:
         return private_process_memory() + buffer.tier2_bytes()
 
     worker.monitor.get_process_memory = worker_memory  # type: ignore[method-assign]
+    monitor, manager = worker.monitor, worker.memory_manager
+
+    def over_spill_threshold() -> bool:
+        # As the worker's memory manager decides to spill, read at each call.
+        limit, spill = manager.memory_limit, manager.memory_spill_fraction
+        if not limit or spill is False:
+            return False
+        return monitor.get_process_memory() > limit * spill
+
+    buffer.over_spill_threshold = over_spill_threshold
     tiers = buffer.store.tiers
     publisher = SharePublisher(
         share_path(buffer.store.directory),
@@ -94,6 +108,8 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
 
 def uninstall_worker_monitor(worker: Worker) -> None:
     worker.monitor.__dict__.pop("get_process_memory", None)
+    if hasattr(worker.data, "over_spill_threshold"):
+        worker.data.over_spill_threshold = None
     publisher = _publishers.pop(worker, None)
     if publisher is not None:
         publisher.stop()
