@@ -119,9 +119,9 @@ async def test_register_plugin_without_the_preload_is_listed_and_torn_down(c, s,
 
 @gen_cluster(client=True, nthreads=[], config=SHARED_BY_CONFIG)
 async def test_the_buffer_checks_the_worker_memory_against_its_spill_threshold(c, s):
-    """After an unspill the buffer asks whether the worker's memory (the
-    figure its memory monitor reads) is above ``memory_limit * spill``; not
-    with spilling off."""
+    """After an unspill through a mapping the buffer asks whether the worker's
+    memory (the figure its memory monitor reads) is above
+    ``memory_limit * spill``; not with spilling off."""
     async with (
         Worker(s.address, memory_limit="8 GiB") as roomy,
         Worker(s.address, memory_limit="64 MiB") as tight,
