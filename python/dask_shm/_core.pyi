@@ -27,6 +27,7 @@ __all__ = [
     "flush_deletes",
     "FRAME_ALIGN_MIN_LEN",
     "FRAME_ALIGNMENT",
+    "file_fingerprint",
     "is_ram_backed",
     "live_mappings",
     "map_frames",
@@ -39,10 +40,12 @@ __all__ = [
     "ReplicaHook",
     "replicas_to_keep",
     "ReplicaTracker",
+    "seal_file",
     "set_numpy_handler",
     "SpillFileError",
     "TierBudget",
     "TrackerHub",
+    "unlink_file",
     "watch_mappings",
 ]
 
@@ -405,6 +408,25 @@ def is_ram_backed(path: str | PathLike[str]) -> bool:
     hugetlbfs, by ``statfs`` magic number): dask-shm's one rule for "this is
     shared memory" (rust/core/fs.rs). False if ``path`` cannot be examined
     (missing, no access) and off Linux; never raises for such paths."""
+
+def seal_file(path: str | PathLike[str], keep_gil: bool) -> tuple[int, int, int]:
+    """Make the file at ``path`` read-only (0400), never through a symlink,
+    and return its fingerprint ``(size, mtime_ns, inode)``; the GIL is held
+    throughout if ``keep_gil`` (for a RAM-backed file system: see
+    ``file_fingerprint``). Raises OSError naming ``path`` (ELOOP for a
+    symlink, which is left as it is)."""
+
+def file_fingerprint(path: str | PathLike[str], keep_gil: bool) -> tuple[int, int, int]:
+    """``(size, mtime_ns, inode)`` of whatever is at ``path`` (``lstat``). With
+    ``keep_gil`` the GIL is not released: a thread that releases it while
+    another thread runs Python waits up to the interpreter's switch interval
+    (5 ms) to take it back, far longer than a tmpfs metadata operation
+    takes. Raises OSError naming ``path`` (FileNotFoundError if absent)."""
+
+def unlink_file(path: str | PathLike[str], keep_gil: bool) -> bool:
+    """Delete the file at ``path`` (the GIL held if ``keep_gil``, as in
+    ``file_fingerprint``); False if nothing was there. Raises OSError naming
+    ``path`` for any other failure."""
 
 # --- tiers of the shared-memory store (rust/core/tier.rs, rust/py/tier.rs) ---
 

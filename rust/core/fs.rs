@@ -1,6 +1,7 @@
 //! File-system helpers shared by the stores: opening without following a
 //! final symlink, the private (0700) directory every store lives in, writing
-//! a list of buffers completely, copying a file in the kernel, the page size, and the one rule deciding
+//! a list of buffers completely, copying a file in the kernel, the page size,
+//! sealing a file read-only and its fingerprint, and the one rule deciding
 //! whether a directory is RAM-backed.
 //!
 //! Nothing here knows about spill files or Python; every other module may use
@@ -27,6 +28,43 @@ pub fn open_nofollow(path: &Path) -> io::Result<File> {
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
+}
+
+/// What tells one version of a file from another: its size, modification
+/// time (nanoseconds since the epoch) and inode number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fingerprint {
+    pub size: u64,
+    pub mtime_ns: i64,
+    pub inode: u64,
+}
+
+impl Fingerprint {
+    pub fn of(meta: &fs::Metadata) -> Fingerprint {
+        Fingerprint {
+            size: meta.len(),
+            mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
+            inode: meta.ino(),
+        }
+    }
+}
+
+/// Make the file at `path` read-only (0400) and return its fingerprint, with
+/// one path lookup: open without following a symlink (ELOOP, the link left as
+/// it is) and without blocking, then `fstat` and `fchmod` the descriptor.
+pub fn seal(path: &Path) -> io::Result<Fingerprint> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    let meta = file.metadata()?;
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o400))?;
+    Ok(Fingerprint::of(&meta))
+}
+
+/// The fingerprint of whatever is at `path`, a symlink itself (`lstat`).
+pub fn fingerprint(path: &Path) -> io::Result<Fingerprint> {
+    Ok(Fingerprint::of(&fs::symlink_metadata(path)?))
 }
 
 /// Create a new file for writing that nobody else can read (mode 0600),
@@ -253,6 +291,28 @@ mod tests {
         let file = tmp.path().join("file");
         fs::write(&file, b"x").unwrap();
         assert!(prepare_directory(&file).is_err());
+    }
+
+    #[test]
+    fn seal_makes_a_file_read_only_and_refuses_a_symlink() {
+        let tmp = tempfile::tempdir().unwrap();
+        let target = tmp.path().join("t");
+        fs::write(&target, b"abc").unwrap();
+        let sealed = seal(&target).unwrap();
+        assert_eq!(sealed, fingerprint(&target).unwrap());
+        assert_eq!(sealed.size, 3);
+        let mode = fs::metadata(&target).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o400);
+        let link = tmp.path().join("l");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let err = seal(&link).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ELOOP));
+        // The symlink's own fingerprint, not its target's.
+        assert_ne!(fingerprint(&link).unwrap().inode, sealed.inode);
+        assert_eq!(
+            fingerprint(&tmp.path().join("missing")).unwrap_err().kind(),
+            io::ErrorKind::NotFound
+        );
     }
 
     #[test]

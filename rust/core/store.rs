@@ -97,6 +97,9 @@ pub struct FileStore {
     /// Removed entries' files are deleted at `unlinker`'s pace: in the
     /// caller's thread, a burst's excess on the unlinking thread.
     defer_deletes: bool,
+    /// The directory is on a RAM-backed file system (`fs::is_ram_backed`):
+    /// its metadata operations never wait for a device.
+    ram_backed: bool,
 }
 
 /// A copying read in progress: while it lives, removing the entry deletes
@@ -190,6 +193,7 @@ impl FileStore {
                     ..Pool::default()
                 })
             }),
+            ram_backed: crate::fs::is_ram_backed(&dir),
             dir,
             defer_deletes: false,
         })
@@ -227,6 +231,12 @@ impl FileStore {
     /// Whether removed entries' files may be deleted on `unlinker`'s thread.
     pub fn defers_deletes(&self) -> bool {
         self.defer_deletes
+    }
+
+    /// Whether the directory is on a RAM-backed file system (tmpfs, ramfs,
+    /// hugetlbfs), checked once when the store was opened.
+    pub fn is_ram_backed(&self) -> bool {
+        self.ram_backed
     }
 
     pub fn path_of(&self, name: &str) -> PathBuf {
@@ -965,6 +975,21 @@ mod tests {
             .map(|i| (i as u8) ^ seed.wrapping_mul(31))
             .collect();
         vec![vec![seed; 7], payload]
+    }
+
+    #[test]
+    fn a_store_knows_whether_it_is_on_a_ram_backed_file_system() {
+        for dir in recycle_dirs() {
+            let store = FileStore::open(dir.path().join("spill")).unwrap();
+            assert_eq!(store.is_ram_backed(), is_ram_backed(dir.path()));
+        }
+        if let Ok(shm) = tempfile::tempdir_in("/dev/shm") {
+            if is_ram_backed(shm.path()) {
+                assert!(FileStore::open(shm.path().join("s"))
+                    .unwrap()
+                    .is_ram_backed());
+            }
+        }
     }
 
     #[test]

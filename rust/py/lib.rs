@@ -48,7 +48,7 @@ mod _core {
     #[pymodule_export]
     use super::errors::{ForgedHandleError, SpillFileError};
     #[pymodule_export]
-    use super::fs::is_ram_backed;
+    use super::fs::{file_fingerprint, is_ram_backed, seal_file, unlink_file};
     #[pymodule_export]
     use super::local_transport::{buffer_address, map_frames, py_pages_unmodified, MappedRange};
     #[pymodule_export]

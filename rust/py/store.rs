@@ -1,6 +1,7 @@
 //! Python face of `store::FileStore`: `dask_shm._core.FileStore`.
 //!
-//! Every method that touches the file system releases the GIL while it does.
+//! Every method that touches the file system releases the GIL while it does,
+//! except short ones on a RAM-backed store (see `FileStore::keeps_gil`).
 
 use std::sync::Arc;
 
@@ -10,17 +11,32 @@ use pyo3::types::{PyByteArray, PyList, PyMemoryView};
 
 use crate::buffers::{slices_from_raw, HeldBuffer, MappedFile};
 use crate::errors::{directory_error, io_error_at, peer_err, to_pyerr_at};
+use crate::fs::run;
 use dask_shm_core::peer::{open_peer_file, PeerFile};
 use dask_shm_core::store::{FileStore as Store, PutOutcome};
 
+/// Most bytes an operation on a RAM-backed store moves with the GIL held.
+///
+/// Releasing the GIL is not free: a thread that released it waits to take it
+/// back until the thread that took it lets go, which a thread running Python
+/// does only when asked, after the interpreter's switch interval (5 ms). A
+/// worker's event loop that releases it for a 30 us mmap while a task runs
+/// Python then waits milliseconds for it (measured: a median of 105 us and a
+/// 90th percentile of 5.4 ms per `read_mapped` of a 72 KiB file, against 39
+/// and 42 us with no other thread). On a tmpfs, metadata operations (open,
+/// link, mmap) and copies of up to this many bytes take tens of microseconds
+/// and never wait for a device, so they keep the GIL; larger copies, and
+/// everything on a disk that may stall, release it.
+const KEEP_GIL_MAX_BYTES: u64 = 256 * 1024;
+
 fn open_peer(
     py: Python<'_>,
+    keep_gil: bool,
     root: &std::path::Path,
     path: &std::path::Path,
     size: u64,
 ) -> PyResult<PeerFile> {
-    py.detach(|| open_peer_file(root, path, size))
-        .map_err(peer_err)
+    run(py, keep_gil, || open_peer_file(root, path, size)).map_err(peer_err)
 }
 
 /// Validate a peer's spill file (see `FileStore.adopt`) and copy it into a
@@ -33,7 +49,7 @@ pub fn read_peer_file<'py>(
     path: std::path::PathBuf,
     size: u64,
 ) -> PyResult<Bound<'py, PyList>> {
-    let peer = open_peer(py, &root, &path, size)?;
+    let peer = open_peer(py, false, &root, &path, size)?;
     let mut result = Ok(());
     let buf = PyByteArray::new_with(py, size as usize, |bytes| {
         result = py.detach(|| peer.read_all_into(bytes));
@@ -64,6 +80,15 @@ fn frame_views<'py>(
 #[pyclass(module = "dask_shm._core", frozen)]
 pub struct FileStore {
     pub(crate) inner: Arc<Store>,
+}
+
+impl FileStore {
+    /// Whether an operation of this store that copies `bytes` bytes (0: only
+    /// metadata) runs with the GIL held: on a RAM-backed store, up to
+    /// `KEEP_GIL_MAX_BYTES`.
+    fn keeps_gil(&self, bytes: u64) -> bool {
+        self.inner.is_ram_backed() && bytes <= KEEP_GIL_MAX_BYTES
+    }
 }
 
 #[pymethods]
@@ -127,14 +152,14 @@ impl FileStore {
             .map(|f| HeldBuffer::get(&f?))
             .collect::<PyResult<Vec<_>>>()?;
         let raw: Vec<(usize, usize)> = held.iter().map(HeldBuffer::raw).collect();
+        let bytes = raw.iter().map(|&(_, len)| len as u64).sum();
         let store = Arc::clone(&self.inner);
-        let outcome = py
-            .detach(move || {
-                // SAFETY: `held` outlives this closure (it is dropped after detach returns).
-                let slices = unsafe { slices_from_raw(&raw) };
-                store.put(stem, &slices, memory, max_disk)
-            })
-            .map_err(|e| io_error_at(e, self.inner.directory()))?;
+        let outcome = run(py, self.keeps_gil(bytes), move || {
+            // SAFETY: `held` outlives this closure (it is dropped after `run` returns).
+            let slices = unsafe { slices_from_raw(&raw) };
+            store.put(stem, &slices, memory, max_disk)
+        })
+        .map_err(|e| io_error_at(e, self.inner.directory()))?;
         drop(held);
         Ok(match outcome {
             PutOutcome::Stored { name, disk } => Some((name, disk)),
@@ -158,12 +183,14 @@ impl FileStore {
     fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyList>> {
         let store = Arc::clone(&self.inner);
         let path = store.path_of(name);
-        let mut reader = py
-            .detach(|| store.open_entry(name))
+        let mut reader = run(py, self.keeps_gil(0), || store.open_entry(name))
             .map_err(|e| to_pyerr_at(e, &path))?;
+        let keep_gil = self.keeps_gil(reader.size);
         let mut layout = None;
         let buf = PyByteArray::new_with(py, reader.size as usize, |bytes| {
-            let result = py.detach(|| store.read_into(name, &mut reader.file, bytes));
+            let result = run(py, keep_gil, || {
+                store.read_into(name, &mut reader.file, bytes)
+            });
             layout = Some(result.map_err(|e| to_pyerr_at(e, &path))?);
             Ok(())
         })?;
@@ -177,9 +204,8 @@ impl FileStore {
     fn read_mapped<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyList>> {
         let store = Arc::clone(&self.inner);
         let path = store.path_of(name);
-        let (map, layout) = py
-            .detach(|| store.map(name))
-            .map_err(|e| to_pyerr_at(e, &path))?;
+        let (map, layout) =
+            run(py, self.keeps_gil(0), || store.map(name)).map_err(|e| to_pyerr_at(e, &path))?;
         let path = path.to_string_lossy().into_owned();
         let mapped = Bound::new(py, MappedFile::new(map, path, store.defers_deletes()))?;
         frame_views(py, mapped.as_any(), &layout.frames)
@@ -202,9 +228,10 @@ impl FileStore {
         stem: &str,
         memory: u64,
     ) -> PyResult<(String, u64)> {
-        let peer = open_peer(py, &root, &path, size)?;
+        let keep_gil = self.keeps_gil(0);
+        let peer = open_peer(py, keep_gil, &root, &path, size)?;
         let store = Arc::clone(&self.inner);
-        py.detach(|| store.adopt(&peer, stem, memory))
+        run(py, keep_gil, || store.adopt(&peer, stem, memory))
             .map_err(|e| io_error_at(e, self.inner.directory()))
     }
 
@@ -217,7 +244,7 @@ impl FileStore {
         directory: std::path::PathBuf,
     ) -> PyResult<std::ffi::OsString> {
         let store = Arc::clone(&self.inner);
-        py.detach(|| store.link_out(name, &directory))
+        run(py, self.keeps_gil(0), || store.link_out(name, &directory))
             .map(std::path::PathBuf::into_os_string)
             .map_err(|e| to_pyerr_at(e, &directory))
     }
@@ -249,13 +276,12 @@ impl FileStore {
     fn delete(&self, py: Python<'_>, name: &str) -> PyResult<Option<(u64, u64)>> {
         let store = Arc::clone(&self.inner);
         // A paced delete does at most ~10 ms of I/O in a burst, then none:
-        // keeping the GIL spares a batch of deletes one wait for it each.
-        let sizes = if store.defers_deletes() {
-            store.remove(name)
-        } else {
-            py.detach(|| store.remove(name))
-        }
-        .map_err(|e| io_error_at(e, &self.inner.path_of(name)))?;
+        // keeping the GIL spares a batch of deletes one wait for it each. An
+        // unlink frees the file's pages: short for a small file on a tmpfs.
+        let disk = store.sizes(name).map_or(0, |s| s.disk);
+        let keep_gil = store.defers_deletes() || self.keeps_gil(disk);
+        let sizes = run(py, keep_gil, || store.remove(name))
+            .map_err(|e| io_error_at(e, &self.inner.path_of(name)))?;
         Ok(sizes.map(|s| (s.memory, s.disk)))
     }
 

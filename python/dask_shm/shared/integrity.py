@@ -24,14 +24,13 @@ file system's timestamp granularity of our own write may go unseen by it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from dask.typing import Key
 
+from dask_shm import _core
 from dask_shm._core import SpillFileError
-
-READ_ONLY = 0o400
+from dask_shm.shared import paths
 
 
 @dataclass(frozen=True)
@@ -40,31 +39,22 @@ class Fingerprint:
     mtime_ns: int
     inode: int
 
-    @classmethod
-    def of(cls, st: os.stat_result) -> Fingerprint:
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
 
-
-#: How :func:`seal` opens a file: never through a symlink, never blocking.
-_SEAL_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# Both run in Rust in one call each, keeping the GIL for a file on a tmpfs:
+# they run on every hand-over, often in the worker's event loop, and four
+# system calls through ``os`` would release and retake the GIL four times,
+# each a wait of up to the switch interval while a task runs Python.
 
 
 def seal(path: str) -> Fingerprint:
-    """Make the file at ``path`` read-only and return its fingerprint.
+    """Make the file at ``path`` read-only and return its fingerprint, with
+    one path lookup (never through a symlink, never blocking on open).
     Raises OSError (ELOOP for a symlink, which is left as it is)."""
-    # One path lookup: os.chmod(follow_symlinks=False) costs four system calls
-    # here (glibc emulates it through /proc/self/fd), and lstat one more.
-    fd = os.open(path, _SEAL_FLAGS)
-    try:
-        st = os.fstat(fd)
-        os.fchmod(fd, READ_ONLY)
-    finally:
-        os.close(fd)
-    return Fingerprint.of(st)
+    return Fingerprint(*_core.seal_file(path, paths.in_ram(path)))
 
 
 def fingerprint(path: str) -> Fingerprint:
-    return Fingerprint.of(os.lstat(path))
+    return Fingerprint(*_core.file_fingerprint(path, paths.in_ram(path)))
 
 
 def verify(key: Key, path: str, expected: Fingerprint | None) -> None:
@@ -75,7 +65,7 @@ def verify(key: Key, path: str, expected: Fingerprint | None) -> None:
     if expected is None:
         return
     try:
-        now = Fingerprint.of(os.lstat(path))
+        now = fingerprint(path)
     except FileNotFoundError:
         return
     if now == expected:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -80,6 +81,19 @@ def filesystem_of(path: str) -> tuple[str, str] | None:
     """``(mount point, filesystem type)`` of :func:`mount_of` ``path``, or None."""
     mount = mount_of(path)
     return None if mount is None else (mount.point, mount.fstype)
+
+
+def in_ram(path: str) -> bool:
+    """Whether the file at ``path`` lies in a RAM-backed directory (tmpfs,
+    ramfs, hugetlbfs). Each directory is examined once per process: the
+    answer decides whether a short call on the file keeps the GIL (see
+    :func:`dask_shm._core.file_fingerprint`), on every hand-over."""
+    return _directory_in_ram(os.path.dirname(path))
+
+
+@functools.lru_cache(maxsize=4096)
+def _directory_in_ram(directory: str) -> bool:
+    return is_ram_backed(directory)
 
 
 def filesystem_type(path: str) -> str | None:

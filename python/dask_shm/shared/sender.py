@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -50,8 +49,10 @@ from distributed.protocol.serialize import Serialize, to_serialize
 from distributed.sizeof import safe_sizeof
 from distributed.utils import offload
 
+from dask_shm import _core
 from dask_shm._core import SpillFileError
 from dask_shm.config import comm_offload_bytes
+from dask_shm.shared import paths
 from dask_shm.shared.guard import comm_serializes
 from dask_shm.shared.registry import PeerRegistry
 from dask_shm.shared.transfer import PeerReadError
@@ -160,10 +161,9 @@ class _HandleSwappingComm:
 
 
 def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    """Delete a link handed out; the GIL is kept on a tmpfs (one per value,
+    in the event loop: see :func:`dask_shm.shared.paths.in_ram`)."""
+    _core.unlink_file(path, paths.in_ram(path))
 
 
 GetData = Callable[..., Awaitable[Any]]
