@@ -47,6 +47,7 @@ __all__ = [
     "TrackerHub",
     "unlink_file",
     "watch_mappings",
+    "written_in_place",
 ]
 
 _T = TypeVar("_T")
@@ -402,6 +403,12 @@ def mapped_ranges(device: int, inode: int) -> list[tuple[int, int]]:
     """``(start, end)`` addresses of this process's live ``MappedFile``
     mappings of the file ``(device, inode)``: O(1) in the number of other
     mappings (unlike reading ``/proc/self/maps``)."""
+
+def written_in_place(path: str | PathLike[str], keep_gil: bool) -> bool:
+    """Whether any page of this process's spill-file mappings (``MappedFile``)
+    of the file at ``path`` was written by this process, from
+    ``/proc/self/pagemap``: True too when that cannot be told, False when the
+    file is not mapped at all. The GIL is held throughout if ``keep_gil``."""
 
 def is_ram_backed(path: str | PathLike[str]) -> bool:
     """Whether ``path`` lies on a RAM-backed file system (tmpfs, ramfs or

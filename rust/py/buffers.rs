@@ -246,6 +246,31 @@ pub fn mapped_ranges(device: u64, inode: u64) -> Vec<(usize, usize)> {
         .unwrap_or_default()
 }
 
+/// Whether any page of this process's spill-file mappings of the file at
+/// `path` was written by this process (`/proc/self/pagemap`, see
+/// `local_transport::pages_unmodified`): True too when that cannot be told,
+/// False when the file is not mapped at all. The GIL is held throughout if
+/// `keep_gil` (see `fs::run`).
+#[pyfunction]
+pub fn written_in_place(py: Python<'_>, path: std::path::PathBuf, keep_gil: bool) -> bool {
+    crate::fs::run(py, keep_gil, || {
+        let Ok(meta) = std::fs::metadata(&path) else {
+            return true;
+        };
+        let ranges: Vec<(usize, usize)> = mapped_ranges_table()
+            .as_ref()
+            .and_then(|t| t.get(&(meta.dev(), meta.ino())))
+            .cloned()
+            .unwrap_or_default();
+        ranges.into_iter().any(|(start, len)| {
+            !matches!(
+                dask_shm_core::local_transport::pages_unmodified(start, len),
+                Ok(true)
+            )
+        })
+    })
+}
+
 /// Number of spill-file mappings alive in this process.
 #[pyfunction]
 pub fn live_mappings() -> usize {

@@ -44,7 +44,9 @@ mod _core {
         born_release_cache, born_release_expired, born_seal, born_stats, set_numpy_handler,
     };
     #[pymodule_export]
-    use super::buffers::{live_mappings, mapped_ranges, watch_mappings, MappedFile};
+    use super::buffers::{
+        live_mappings, mapped_ranges, watch_mappings, written_in_place, MappedFile,
+    };
     #[pymodule_export]
     use super::errors::{ForgedHandleError, SpillFileError};
     #[pymodule_export]

@@ -24,16 +24,10 @@ the value is then written out from memory, which is always correct.
 
 from __future__ import annotations
 
-import mmap
 import os
 
-import numpy as np
-
 from dask_shm import _core
-
-_PRESENT = np.uint64(1 << 63)
-_SWAPPED = np.uint64(1 << 62)
-_FILE_PAGE = np.uint64(1 << 61)
+from dask_shm.shared import paths
 
 
 def mapped_ranges(inode: int, device: int, maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
@@ -53,26 +47,7 @@ def mapped_ranges(inode: int, device: int, maps: str = "/proc/self/maps") -> lis
 def written_in_place(path: str) -> bool:
     """Whether any page of this process's spill-file mappings of the file at
     ``path`` was written by this process (True too when it cannot be told;
-    False when the file is not mapped at all)."""
-    try:
-        st = os.stat(path)
-        ranges = _core.mapped_ranges(st.st_dev, st.st_ino)
-        if not ranges:
-            return False
-        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return True
-    try:
-        for start, end in ranges:
-            first, count = start // mmap.PAGESIZE, (end - start) // mmap.PAGESIZE
-            entries = np.frombuffer(os.pread(fd, count * 8, first * 8), dtype="<u8")
-            if len(entries) != count:
-                return True
-            resident = (entries & (_PRESENT | _SWAPPED)) != 0
-            if (resident & ((entries & _FILE_PAGE) == 0)).any():
-                return True
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
+    False when the file is not mapped at all). One Rust call, keeping the GIL
+    for a file on a tmpfs (see :func:`dask_shm.shared.paths.in_ram`): it runs
+    on every eviction and export of a mapped value."""
+    return _core.written_in_place(path, paths.in_ram(path))
