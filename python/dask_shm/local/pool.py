@@ -45,6 +45,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
+import psutil
 from dask.multiprocessing import get_context, initialize_worker_process
 from dask.system import CPU_COUNT
 
@@ -83,7 +84,20 @@ def is_healthy(pool: ProcessPoolExecutor) -> bool:
     if getattr(pool, "_broken", False) or getattr(pool, "_shutdown_thread", False):
         return False
     processes = (getattr(pool, "_processes", None) or {}).values()
-    return all(proc.exitcode is None for proc in processes)
+    return all(_running(proc) for proc in processes)
+
+
+def _running(proc: Any) -> bool:
+    """Whether a pool process is alive, as the kernel says (gone or a zombie:
+    dead). ``exitcode`` was seen None for a process killed moments before,
+    while the pool's own thread had not noticed either: the next computation
+    then ran on a pool one process short, or failed with BrokenProcessPool."""
+    if proc.exitcode is not None:
+        return False
+    try:
+        return psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _warm_up() -> int:
