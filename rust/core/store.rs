@@ -102,6 +102,16 @@ pub struct FileStore {
     ram_backed: bool,
 }
 
+/// An entry forgotten by `FileStore::take_entry` whose file is still to be
+/// deleted (`FileStore::delete_taken`).
+pub struct TakenEntry {
+    /// The sizes that were accounted for it.
+    pub sizes: Sizes,
+    path: PathBuf,
+    /// Its file was this store's own (one link): it may be recycled.
+    private: bool,
+}
+
 /// A copying read in progress: while it lives, removing the entry deletes
 /// its file instead of recycling it.
 pub struct EntryReader<'a> {
@@ -626,11 +636,30 @@ impl FileStore {
     /// already gone is not an error; returns the sizes that were accounted,
     /// or None for an unknown name.
     pub fn remove(&self, name: &str) -> io::Result<Option<Sizes>> {
-        let Some((sizes, private)) = self.ledger().remove_entry(name) else {
+        let Some(removal) = self.take_entry(name) else {
             return Ok(None);
         };
-        self.pool_or_delete(&self.path_of(name), private, sizes.disk)?;
-        Ok(Some(sizes))
+        self.delete_taken(&removal)?;
+        Ok(Some(removal.sizes))
+    }
+
+    /// The ledger half of `remove`: forget `name` and return what deleting
+    /// its file needs (see `delete_taken`), or None for an unknown name. The
+    /// file stays until then, so a caller can first decide how to run the
+    /// deletion (from the sizes) without looking the entry up twice.
+    pub fn take_entry(&self, name: &str) -> Option<TakenEntry> {
+        let (sizes, private) = self.ledger().remove_entry(name)?;
+        Some(TakenEntry {
+            sizes,
+            path: self.path_of(name),
+            private,
+        })
+    }
+
+    /// The file half of `remove`, for an entry from `take_entry`.
+    pub fn delete_taken(&self, taken: &TakenEntry) -> io::Result<()> {
+        self.pool_or_delete(&taken.path, taken.private, taken.sizes.disk)
+            .map(|_| ())
     }
 
     /// Keep the file at `path` for reuse if `may_pool` and the pool takes it
@@ -758,6 +787,22 @@ mod tests {
         assert_eq!(&map[layout.frames[1].0 as usize..][..3], &[1, 1, 1]);
         // Only the published file was ever visible: no temporaries remain.
         assert_eq!(fs::read_dir(store.directory()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_taken_entry_is_forgotten_at_once_and_its_file_deleted_later() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = FileStore::open(tmp.path().join("spill")).unwrap();
+        let (name, disk) = stored(store.put("x", &[&[3u8; 5000]], 700, None).unwrap());
+        let taken = store.take_entry(&name).unwrap();
+        assert_eq!(taken.sizes, Sizes { memory: 700, disk });
+        assert_eq!(store.total(), Sizes::default());
+        assert!(store.take_entry(&name).is_none());
+        assert_eq!(store.remove(&name).unwrap(), None);
+        assert!(store.path_of(&name).exists());
+        store.delete_taken(&taken).unwrap();
+        assert!(!store.path_of(&name).exists());
+        store.delete_taken(&taken).unwrap(); // already gone: not an error
     }
 
     #[test]

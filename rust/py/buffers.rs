@@ -257,17 +257,14 @@ pub fn written_in_place(py: Python<'_>, path: std::path::PathBuf, keep_gil: bool
         let Ok(meta) = std::fs::metadata(&path) else {
             return true;
         };
-        let ranges: Vec<(usize, usize)> = mapped_ranges_table()
-            .as_ref()
-            .and_then(|t| t.get(&(meta.dev(), meta.ino())))
-            .cloned()
-            .unwrap_or_default();
-        ranges.into_iter().any(|(start, len)| {
-            !matches!(
-                dask_shm_core::local_transport::pages_unmodified(start, len),
-                Ok(true)
-            )
-        })
+        mapped_ranges(meta.dev(), meta.ino())
+            .into_iter()
+            .any(|(start, end)| {
+                !matches!(
+                    dask_shm_core::local_transport::pages_unmodified(start, end - start),
+                    Ok(true)
+                )
+            })
     })
 }
 

@@ -278,11 +278,13 @@ impl FileStore {
         // A paced delete does at most ~10 ms of I/O in a burst, then none:
         // keeping the GIL spares a batch of deletes one wait for it each. An
         // unlink frees the file's pages: short for a small file on a tmpfs.
-        let disk = store.sizes(name).map_or(0, |s| s.disk);
-        let keep_gil = store.defers_deletes() || self.keeps_gil(disk);
-        let sizes = run(py, keep_gil, || store.remove(name))
+        let Some(taken) = store.take_entry(name) else {
+            return Ok(None);
+        };
+        let keep_gil = store.defers_deletes() || self.keeps_gil(taken.sizes.disk);
+        run(py, keep_gil, || store.delete_taken(&taken))
             .map_err(|e| io_error_at(e, &self.inner.path_of(name)))?;
-        Ok(sizes.map(|s| (s.memory, s.disk)))
+        Ok(Some((taken.sizes.memory, taken.sizes.disk)))
     }
 
     /// `(memory, disk)` accounted for one entry; KeyError if unknown.
