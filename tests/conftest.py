@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +56,35 @@ def shm_base() -> Iterator[Path]:
         for p in sorted(base.rglob("*"), reverse=True):
             p.rmdir() if p.is_dir() else p.unlink()
         base.rmdir()
+
+
+@pytest.fixture
+def shared_spill_buffer(shm_dir: str, tmp_path: Any) -> Iterator[Callable[..., Any]]:
+    """Factory of shared-memory buffers on a private root on /dev/shm, small
+    values included (min-size 0) and a tier-2 budget that never pushes files
+    to disk, through the public constructor. Skips if the host cannot run
+    shared mode."""
+    from dask_shm.shared import SharedSpillBuffer
+    from dask_shm.shared.paths import UnusableRoot
+
+    made: list[Any] = []
+
+    def make(target: int, max_spill: int | bool = False) -> Any:
+        try:
+            buf = SharedSpillBuffer.create(
+                target,
+                root=shm_dir,
+                disk_root=str(tmp_path / "tier3"),
+                budget=2**40,
+                min_size=0,
+                min_shared_fraction=0.5,
+                max_spill=max_spill,
+            )
+        except UnusableRoot as e:
+            pytest.skip(f"shared-memory mode unavailable on this host: {e}")
+        made.append(buf)
+        return buf
+
+    yield make
+    for buf in made:
+        buf.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,8 +18,6 @@ from distributed.spill import SpilledSize
 
 from dask_shm import SpillBuffer
 from dask_shm._core import FRAME_ALIGN_MIN_LEN, FRAME_ALIGNMENT
-from dask_shm.shared import SharedSpillBuffer
-from dask_shm.shared.paths import UnusableRoot
 
 STOCK_INTERNAL_ERRORS = (StockMaxSpillExceeded, StockPickleError)
 
@@ -180,35 +178,6 @@ def run_sequence(
     # Every value still held reads back the same from both.
     for key in list(stock):
         step(stock, ours, "get", key, None, shared)
-
-
-@pytest.fixture
-def shared_spill_buffer(shm_dir: str, tmp_path: Any) -> Iterator[Callable[..., Any]]:
-    """Factory of shared-memory buffers on a private root on /dev/shm, small
-    values included (min-size 0) and a tier-2 budget that never pushes files
-    to disk, through the public constructor. Skips if the host cannot run
-    shared mode."""
-    made: list[Any] = []
-
-    def make(target: int, max_spill: int | bool = False) -> Any:
-        try:
-            buf = SharedSpillBuffer.create(
-                target,
-                root=shm_dir,
-                disk_root=str(tmp_path / "tier3"),
-                budget=2**40,
-                min_size=0,
-                min_shared_fraction=0.5,
-                max_spill=max_spill,
-            )
-        except UnusableRoot as e:
-            pytest.skip(f"shared-memory mode unavailable on this host: {e}")
-        made.append(buf)
-        return buf
-
-    yield make
-    for buf in made:
-        buf.close()
 
 
 @pytest.mark.parametrize("memmap", [False, True], ids=["read", "memmap"])
