@@ -636,11 +636,11 @@ impl FileStore {
     /// already gone is not an error; returns the sizes that were accounted,
     /// or None for an unknown name.
     pub fn remove(&self, name: &str) -> io::Result<Option<Sizes>> {
-        let Some(removal) = self.take_entry(name) else {
+        let Some(taken) = self.take_entry(name) else {
             return Ok(None);
         };
-        self.delete_taken(&removal)?;
-        Ok(Some(removal.sizes))
+        self.delete_taken(&taken)?;
+        Ok(Some(taken.sizes))
     }
 
     /// The ledger half of `remove`: forget `name` and return what deleting
