@@ -56,6 +56,11 @@ it goes, with the load average):
   work, which no hand-over can shorten); ``transfers`` and
   ``transfer_median_ms``: hand-overs between workers and the median of their
   durations as the receiving worker timed them (request to value in memory);
+- ``worker_cpu_seconds``: user + system CPU the worker processes used
+  during the compute (psutil, from the bench's process: they run on this
+  host). Unlike wall time it does not depend on how a busy host shares its
+  cores. A worker that died meanwhile takes its CPU with it; one started
+  meanwhile counts from its start;
 - ``born_shared``: whether the workers allocate arrays born shared
   (False for stock);
 - ``worker_restarts``: workers the scheduler removed during the compute
@@ -234,6 +239,18 @@ def loopback_sent() -> int:
     return int(psutil.net_io_counters(pernic=True)["lo"].bytes_sent)
 
 
+def worker_cpu_seconds(pids: set[int]) -> dict[int, float]:
+    """User + system CPU seconds used so far by each live process of ``pids``."""
+    seconds = {}
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        seconds[pid] = times.user + times.system
+    return seconds
+
+
 HANDED_OVER = ("link_bytes", "p2p_file_bytes", "written_ahead", "written_ahead_unused")
 
 
@@ -312,6 +329,7 @@ def test_workload(
         settle_percpu_free()
         lo0 = loopback_sent()
         removed0 = client.run_on_scheduler(_workers_removed)
+        cpu0 = worker_cpu_seconds(set(client.run(os.getpid).values()))
         with PeakMeminfo() as peak, get_task_stream(client) as stream:
 
             def compute() -> None:
@@ -320,6 +338,8 @@ def test_workload(
             benchmark.pedantic(compute, rounds=1, iterations=1)
         tasks = task_stream_figures(stream.data, WORKERS, benchmark.stats.stats.median)
         loopback = loopback_sent() - lo0
+        cpu1 = worker_cpu_seconds(set(cpu0) | set(client.run(os.getpid).values()))
+        worker_cpu = sum(seconds - cpu0.get(pid, 0.0) for pid, seconds in cpu1.items())
         restarts = client.run_on_scheduler(_workers_removed) - removed0
         handed = list(client.run(_handed_over).values())
         totals = {name: int(sum(h[i] for h in handed)) for i, name in enumerate(HANDED_OVER)}
@@ -334,6 +354,7 @@ def test_workload(
         "loopback_bytes": loopback,
         **totals,
         **tasks,
+        "worker_cpu_seconds": round(worker_cpu, 2),
         "born_shared": born,
         "worker_restarts": restarts,
         "pcp_high_fraction": pcp_high_fraction,
@@ -358,6 +379,7 @@ def test_workload(
         f"  p2p-file {mib['p2p_file_bytes']:6.0f} MiB"
         f"  ahead {info['written_ahead']} ({info['written_ahead_unused']} unused)"
         f"  tasks {tasks['task_seconds']} s (busy {tasks['busy']})"
+        f"  cpu {info['worker_cpu_seconds']} s"
         f"  transfers {tasks['transfers']} (median {tasks['transfer_median_ms']} ms)"
         f"  equal {info.get('equal_to_stock', '-')}  born {born}  restarts {restarts}"
         f"  load {info['load_average']}"
