@@ -11,12 +11,12 @@ measures the event loop at this count).
 from __future__ import annotations
 
 import logging
-import os
 import random
 
 import numpy as np
 import pytest
 from distributed.spill import SpillBuffer as StockSpillBuffer
+from test_shared_lifecycle import files_under
 from test_spill_parity import check_same_state
 
 from dask_shm import SpillBuffer
@@ -38,10 +38,6 @@ def key_of(i: int) -> str | tuple[str, int]:
 
 def value_of(i: int) -> np.ndarray:
     return np.full(8, i, dtype="i8")
-
-
-def files_under(path: str) -> list[str]:
-    return [name for _, _, names in os.walk(path) for name in names]
 
 
 def test_a_hundred_thousand_keys_match_stock(tmp_path, caplog):
