@@ -83,22 +83,40 @@ def test_large_allocations_come_from_files_small_ones_do_not(arena: str) -> None
 
 def test_free_keeps_blocks_for_reuse_until_released(arena: str) -> None:
     with born.allocating():
+        # In use throughout: the cache holds no more than the arrays in use.
+        in_use = np.zeros(8 * MiB, dtype=np.uint8)
         arrays = [np.full(MiB, i, dtype=np.uint8) for i in range(5)]
-    assert len(files(arena)) == 5
+    assert len(files(arena)) == 6
     before = born.stats()
     del arrays
     after = born.stats()
-    assert after["blocks"] == 0 and after["bytes"] == 0 and after["owned_bytes"] == 0
+    assert after["blocks"] == 1 and after["bytes"] == 8 * MiB and after["owned_bytes"] == 8 * MiB
     assert after["freed"] - before["freed"] == 5
     # Kept, files and mappings intact, and still the arena's own memory.
-    assert len(files(arena)) == 5
+    assert len(files(arena)) == 6
     assert after["cached_blocks"] == 5 and after["cached_bytes"] == 5 * MiB
-    assert born.own_bytes() == 5 * MiB
+    assert born.own_bytes() == 13 * MiB
     assert born.release_cache() == 5 * MiB
-    assert files(arena) == []
+    assert files(arena) == [os.path.basename(born.block_of(in_use).path)]
     s = born.stats()
     assert s["cached_blocks"] == 0 and s["cached_bytes"] == 0
     assert s["evicted"] - after["evicted"] == 5
+
+
+def test_freed_blocks_beyond_the_arrays_in_use_are_released(arena: str) -> None:
+    with born.allocating():
+        arrays = [np.full(MiB, i, dtype=np.uint8) for i in range(4)]
+    newest = os.path.basename(born.block_of(arrays[3]).path)
+    del arrays[:2]  # 2 MiB freed, 2 MiB in use: both kept
+    assert born.stats()["cached_blocks"] == 2
+    del arrays[0]  # 3 MiB freed, 1 MiB in use: the oldest two go
+    assert born.stats()["cached_blocks"] == 1
+    # Nothing in use (a graph's keys released): only the newest freed block
+    # stays, for the next allocation or until the decay.
+    del arrays[0]
+    s = born.stats()
+    assert s["cached_blocks"] == 1 and s["cached_bytes"] == MiB
+    assert files(arena) == [newest]
 
 
 def test_cached_blocks_unused_for_the_decay_are_released(arena: str) -> None:

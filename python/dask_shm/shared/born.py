@@ -15,7 +15,8 @@ bounded free cache, and the next allocation of the same size takes it back:
 a steady workload creates no new files and faults no new tmpfs pages in
 (fresh 4 KiB tmpfs pages cost ~3x what ordinary memory does). Cached blocks
 still count against the budget and as the process's own memory
-(``stats()["cached_bytes"]``); they go beyond the cache's cap, when a fresh
+(``stats()["cached_bytes"]``); they go beyond the cache's cap, beyond the
+bytes of the blocks in use (all but the newest freed), when a fresh
 block needs their budget, once unused for :data:`CACHE_DECAY` (at the next
 allocation or free, or :func:`release_expired`), on :func:`stop` and
 :func:`release_cache`.
