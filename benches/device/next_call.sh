@@ -10,8 +10,8 @@
 #   DEADLINE  seconds from the start after which no step starts; a step's
 #             own limit is cut to what is left (a step with under 40 s left
 #             is skipped, and says so in next_call.log)
-#   STEPS     the steps to run, in this order (default: 1 2 3 4; step 5
-#             takes a call of its own: STEPS=5)
+#   STEPS     the steps to run, in this order (default: 1 2 3 4; steps 5
+#             and 6 take a call of their own: STEPS=5, STEPS=6)
 # Steps (the README's items; times at 8 workers x 1 GiB on that machine):
 #   1  double_diff and anom_mean, lists pinned (PCP=100000), one round  (item 1, 5)
 #   2  double_diff alone, lists not pinned, one round                   (item 1)
@@ -19,6 +19,8 @@
 #   4  quadratic_mean and monthly_map_reduce, lists pinned, one round   (item 6)
 #   5  matmul with x 8 GiB on 8 x 8 GiB, lists pinned (x 2 GiB took 31 s
 #      in stock, this has 8x the flops: a call of its own)                (item 2)
+#   6  arrays born shared (huge-page root): climatic_mean, double_diff and
+#      rechunk_p2p, lists pinned, one round (a call of its own)           (item 7)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/device-out}"
@@ -57,6 +59,8 @@ for s in $STEPS; do
         3) step handover 80 K=handover benches/bench_chain.py ;;
         4) step w8-xarray 150 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 K="quadratic_mean or monthly_map_reduce" ;;
         5) step w8-matmul-8g 560 W=8 MEM="8 GiB" SCALE=2 ROUNDS=1 PCP=100000 K="matmul" ;;
+        6) step w8-born 560 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 HUGE=1 \
+            K="climatic_mean or double_diff or rechunk_p2p" ;;
         *) echo "unknown step $s" | tee -a "$LOG" ;;
     esac
 done
