@@ -4,7 +4,6 @@ SpillBuffer and on ours must give the same observable results."""
 from __future__ import annotations
 
 import logging
-import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +14,7 @@ from distributed.spill import MaxSpillExceeded as StockMaxSpillExceeded
 from distributed.spill import PickleError as StockPickleError
 from distributed.spill import SpillBuffer as StockSpillBuffer
 from distributed.spill import SpilledSize
+from test_shared_lifecycle import files_under
 
 from dask_shm import SpillBuffer
 from dask_shm._core import FRAME_ALIGN_MIN_LEN, FRAME_ALIGNMENT
@@ -234,8 +234,7 @@ def test_random_operations_on_shared_buffer_match_stock(
     stock = StockSpillBuffer(str(tmp_path / "stock"), target=12_000)
     ours = shared_spill_buffer(target=12_000)
     run_sequence(stock, ours, seed, n_ops=250, shared=True)
-    files = [f for _, _, names in os.walk(shm_dir) for f in names]
-    assert files, "no value is held in a file on the shared-memory root"
+    assert files_under(shm_dir), "no value is held in a file on the shared-memory root"
 
 
 def test_shared_buffer_reads_back_what_stock_reads_back(tmp_path, caplog, shared_spill_buffer):
