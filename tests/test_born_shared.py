@@ -153,7 +153,7 @@ def test_a_fresh_array_reuses_a_freed_block_of_the_same_size(arena: str, shm_dir
         z = np.zeros(2 * MiB // 8)  # a fresh block: the cached one is taken
         del y
         zeros = np.zeros(2 * MiB // 8)  # y's block, cleared
-        odd = np.full(MiB + 8, 3, dtype=np.uint8)  # another size: a new block
+        odd = np.full(MiB + 8, 3, dtype=np.uint8)  # nothing cached: a new block
     assert first is not None
     assert born.whole_block(zeros) is not None
     assert born.whole_block(zeros).path == first.path
@@ -172,6 +172,39 @@ def test_a_fresh_array_reuses_a_freed_block_of_the_same_size(arena: str, shm_dir
     assert path == first.path
     out = frames_to_object(read_peer_file(shm_dir, path, st.st_size))
     np.testing.assert_array_equal(out, np.full(2 * MiB // 8, 7.0))
+
+
+def test_a_freed_block_serves_arrays_from_half_to_twice_its_size(arena: str, shm_dir: str) -> None:
+    with born.allocating():
+        in_use = np.zeros(16 * MiB, dtype=np.uint8)  # lets the cache hold a block
+        x = np.full(4 * MiB, 1, dtype=np.uint8)
+        path = born.whole_block(x).path
+        del x
+        before = born.stats()
+        smaller = np.full(3 * MiB, 2, dtype=np.uint8)  # x's block, cut to 3 MiB
+        assert born.whole_block(smaller).path == path
+        assert os.stat(path).st_size == born.header_size() + 3 * MiB
+        del smaller
+        larger = np.zeros(6 * MiB, dtype=np.uint8)  # grown to 6 MiB, all zero
+        assert born.whole_block(larger).path == path
+        assert not larger.any()
+        del larger
+        far = np.full(13 * MiB, 3, dtype=np.uint8)  # over twice: a new block
+        assert born.whole_block(far).path != path
+    after = born.stats()
+    assert after["reused"] - before["reused"] == 2
+    assert after["allocated"] - before["allocated"] == 3
+    assert len(files(arena)) == 3  # in_use's, far's and the cached one
+    # The grown and cut block is still an exact spill file for an array.
+    with born.allocating():
+        again = np.full(6 * MiB // 8, 7.0)
+    assert born.whole_block(again).path == path
+    header, _ = serialize_unsplit(again)
+    born.seal(again, header)
+    size = born.header_size() + 6 * MiB
+    out = frames_to_object(read_peer_file(shm_dir, path, size))
+    np.testing.assert_array_equal(out, np.full(6 * MiB // 8, 7.0))
+    del in_use, far
 
 
 def test_a_block_sealed_or_exported_while_in_use_is_never_reused(

@@ -20,11 +20,12 @@
 //! - Except that a freed block nobody else can see (never sealed, never
 //!   disowned, its file linked only by the arena) is kept, mapping and file
 //!   intact, in a bounded *free cache*, the way a malloc arena keeps freed
-//!   chunks: the next [`Arena::alloc`] of the same mapping length takes it
-//!   back, so a steady workload creates no files, allocates no tmpfs pages
-//!   and takes no page faults (on a 4 KiB-page tmpfs, faulting fresh pages
-//!   in costs ~3x what anonymous memory does, and unlinking frees them all
-//!   again). Cached blocks still count against the byte and block budgets
+//!   chunks: the next [`Arena::alloc`] of a length within a factor of two
+//!   ([`FIT_FACTOR`]) takes it back, its file and mapping shrunk or grown
+//!   to fit, so a steady workload creates no files, allocates no tmpfs
+//!   pages and takes no page faults for the pages in common (on a 4 KiB-page
+//!   tmpfs, faulting fresh pages in costs ~3x what anonymous memory does,
+//!   and unlinking frees them all again). Cached blocks still count against the byte and block budgets
 //!   (and in [`Stats`]); they are evicted (unmapped and unlinked), oldest
 //!   first, beyond the cache's cap, beyond the bytes of the live blocks
 //!   (all but the newest: once a graph's arrays are released, nothing is
@@ -90,6 +91,14 @@ struct Cached {
     /// When it was freed.
     since: Instant,
 }
+
+/// How far a cached block's mapping length may be from an allocation's for
+/// the block to serve it, shrunk or grown (the pages in common are reused;
+/// a shrunk block's tail is released). Within a factor of two, shrinking
+/// releases at most half of the block's pages, which a later allocation of
+/// the block's own length would have reused, and growing reuses at least
+/// half of the pages the allocation needs.
+pub const FIT_FACTOR: usize = 2;
 
 /// The largest free cache [`default_cache`] allows.
 pub const DEFAULT_CACHE_MAX: usize = 256 << 20;
@@ -160,14 +169,33 @@ struct State {
 }
 
 impl State {
-    /// Take the most recently cached block of mapping length `map_len`. Its
-    /// bytes and mapping stay counted: they pass to the new block.
+    /// Take the cached block that best fits a mapping of `map_len` bytes:
+    /// the newest of that length, else the newest of the shortest longer
+    /// length (to be shrunk), else the newest of the longest shorter one (to
+    /// be grown), within [`FIT_FACTOR`] of `map_len` either way. Its bytes
+    /// and mapping stay counted: they pass to the new block, whose
+    /// reservation the caller adjusts.
     fn take_cached(&mut self, map_len: usize) -> Option<Cached> {
-        let &(_, seq) = self
-            .cache_index
-            .range((map_len, 0)..=(map_len, u64::MAX))
-            .next_back()?;
-        self.cache_index.remove(&(map_len, seq));
+        let fit = |index: &BTreeSet<(usize, u64)>| {
+            if let Some(&exact) = index.range((map_len, 0)..=(map_len, u64::MAX)).next_back() {
+                return Some(exact);
+            }
+            if let Some(&(longer, _)) = index.range((map_len, u64::MAX)..).next() {
+                if longer <= map_len.saturating_mul(FIT_FACTOR) {
+                    return index
+                        .range((longer, 0)..=(longer, u64::MAX))
+                        .next_back()
+                        .copied();
+                }
+            }
+            index
+                .range(..(map_len, 0))
+                .next_back()
+                .filter(|&&(shorter, _)| shorter.saturating_mul(FIT_FACTOR) >= map_len)
+                .copied()
+        };
+        let (len, seq) = fit(&self.cache_index)?;
+        self.cache_index.remove(&(len, seq));
         let c = self.cache.remove(&seq).expect("indexed");
         self.cache_bytes -= c.map_len;
         Some(c)
@@ -559,9 +587,29 @@ impl Arena {
                 let taken = st.take_cached(map_len);
                 st.evict_expired(Instant::now(), self.cache_decay(), &mut evicted);
                 match taken {
-                    Some(c) => Ok(c),
+                    Some(c) => {
+                        // Its reservation becomes the new length's; cached
+                        // blocks give way to one that grows.
+                        let budget = self.budget.load(Ordering::Relaxed);
+                        while (st.bytes - c.map_len).saturating_add(map_len) > budget
+                            && st.evict_oldest(&mut evicted)
+                        {}
+                        let others = st.bytes - c.map_len;
+                        if others.saturating_add(map_len) > budget {
+                            st.bytes = others;
+                            st.count -= 1;
+                            evicted.push(c);
+                            self.refused_budget.fetch_add(1, Ordering::Relaxed);
+                            drop(st);
+                            self.destroy(evicted);
+                            return None;
+                        }
+                        st.bytes = others + map_len;
+                        Ok(c)
+                    }
                     None => {
-                        // Cached blocks of other lengths give way to a fresh one.
+                        // Cached blocks too far from this length give way to
+                        // a fresh one.
                         let max_blocks = self.max_blocks.load(Ordering::Relaxed);
                         let budget = self.budget.load(Ordering::Relaxed);
                         while (st.count >= max_blocks || st.bytes.saturating_add(map_len) > budget)
@@ -587,16 +635,17 @@ impl Arena {
             };
             self.destroy(evicted);
             let (addr, path) = match taken {
-                Ok(c) => match self.reuse(&c, len, zero) {
-                    Ok(()) => {
+                Ok(c) => match self.reuse(&c, len, map_len, zero) {
+                    Ok(addr) => {
                         self.reused.fetch_add(1, Ordering::Relaxed);
-                        (c.addr, c.path)
+                        (addr, c.path)
                     }
                     Err(_) => {
-                        // E.g. the file vanished: drop it and look again.
+                        // E.g. the file vanished: drop it and look again (its
+                        // mapping is still `c`'s, its reservation `map_len`).
                         {
                             let mut st = lock(&self.state);
-                            st.bytes -= c.map_len;
+                            st.bytes -= map_len;
                             st.count -= 1;
                         }
                         self.destroy(vec![c]);
@@ -639,27 +688,56 @@ impl Arena {
         }
     }
 
-    /// Make the cached block `c` (same mapping length) a block of `len`
-    /// bytes: the file must be exactly `header + len` bytes (the spill-file
-    /// layout), which within the mapping's last page is a plain `ftruncate`.
-    /// Errors if the file is no longer the arena's alone (linked, resized
-    /// or removed behind its back while cached): it is then not reused.
-    fn reuse(&self, c: &Cached, len: usize, zero: bool) -> io::Result<()> {
+    /// Make the cached block `c` a block of `len` bytes mapped on
+    /// `map_len` bytes, and return its address. The file must be exactly
+    /// `header + len` bytes (the spill-file layout): within the mapping's
+    /// last page that is a plain `ftruncate`; for another mapping length the
+    /// file is resized and the mapping shrunk in place or grown (moving if
+    /// the kernel must), keeping the pages the two lengths share. Errors if
+    /// the file is no longer the arena's alone (linked, resized or removed
+    /// behind its back while cached): it is then not reused, and its
+    /// mapping is still `c`'s (every step that can fail comes before the
+    /// mapping changes).
+    fn reuse(&self, c: &Cached, len: usize, map_len: usize, zero: bool) -> io::Result<usize> {
         let m = std::fs::symlink_metadata(&c.path)?;
         if !m.file_type().is_file() || m.nlink() != 1 || m.len() as usize != page_size() + c.len {
             return Err(io::ErrorKind::InvalidData.into());
         }
+        let mut addr = c.addr;
         if c.len != len {
             let fd = open(&c.path, libc::O_RDWR)?;
-            // SAFETY: resizing our own file within the mapping's last page:
-            // every mapped page still has file behind it.
-            check(unsafe { libc::ftruncate(fd.0, (page_size() + len) as libc::off_t) })?;
+            // A cached mapping is touched by nobody, so the file may shrink
+            // before it; a grown file gets its new pages reserved.
+            size_file(
+                &fd,
+                page_size(),
+                c.len.min(len),
+                len,
+                len > c.len && self.reserve.load(Ordering::Relaxed),
+            )?;
+            if map_len != c.map_len {
+                // SAFETY: resizing our own cached mapping, which no array
+                // refers to; a shrink stays in place.
+                let to = unsafe {
+                    libc::mremap(
+                        c.addr as *mut libc::c_void,
+                        c.map_len,
+                        map_len,
+                        libc::MREMAP_MAYMOVE,
+                    )
+                };
+                if to == libc::MAP_FAILED {
+                    return Err(io::Error::last_os_error());
+                }
+                addr = to as usize;
+            }
         }
         if zero {
-            // SAFETY: the cached mapping is ours alone and at least `len` long.
-            unsafe { std::ptr::write_bytes(c.addr as *mut u8, 0, len) };
+            // Bytes past the old mapping come from the grown file: zero.
+            // SAFETY: the mapping is ours alone and at least `len` long.
+            unsafe { std::ptr::write_bytes(addr as *mut u8, 0, len.min(c.map_len)) };
         }
-        Ok(())
+        Ok(addr)
     }
 
     fn make(&self, path: &Path, len: usize, map_len: usize, page: usize) -> io::Result<usize> {
@@ -1344,15 +1422,15 @@ mod tests {
         assert_eq!(fs::metadata(&path).unwrap().len() as usize, page + len);
         a.free(back);
 
-        // Another mapping length is a fresh block. (A live block at least as
-        // large as the cache keeps both lengths cached.)
+        // A mapping length more than FIT_FACTOR away is a fresh block. (A
+        // live block at least as large as the cache keeps both cached.)
         let anchor = a.alloc(4 * len).unwrap();
-        let other = a.alloc(len + page).unwrap();
+        let other = a.alloc(2 * len + page).unwrap();
         assert_ne!(a.lookup(other).unwrap().path, path);
         assert_eq!(a.stats().reused, 3);
         a.free(other);
         assert_eq!(a.stats().cached_blocks, 2);
-        assert_eq!(a.release_cache(), 2 * len + page);
+        assert_eq!(a.release_cache(), 3 * len + page);
         assert_eq!(entries(d.path()), 1);
         a.free(anchor);
         assert_eq!(a.release_cache(), 4 * len);
@@ -1466,20 +1544,21 @@ mod tests {
         assert_eq!(again, odd);
         a.free(again);
         std::thread::sleep(Duration::from_millis(250));
-        // The next allocation releases the block nobody asked for in time ...
-        let other = a.alloc(2 * page).unwrap();
+        // The next allocation (of a length it cannot serve) releases the
+        // block nobody asked for in time ...
+        let other = a.alloc(7 * page).unwrap();
         let other_path = a.lookup(other).unwrap().path;
         a.free(other);
         assert!(!odd_path.exists());
         let s = a.stats();
         assert_eq!(
             (s.cached_blocks, s.cached_bytes, s.evicted),
-            (1, 2 * page, 1)
+            (1, 7 * page, 1)
         );
         // ... and an idle owner releases the rest.
         assert_eq!(a.release_expired(), 0);
         std::thread::sleep(Duration::from_millis(250));
-        assert_eq!(a.release_expired(), 2 * page);
+        assert_eq!(a.release_expired(), 7 * page);
         assert!(!other_path.exists());
         assert_eq!(reserved(&a), (0, 0));
         assert_eq!(entries(d.path()), 0);
@@ -1527,15 +1606,22 @@ mod tests {
         a.free(x);
         a.free(y);
         assert_eq!(lock(&a.state).bytes, 8 * page);
-        // 11 pages: over the budget unless one cached block goes.
-        let z = a.alloc(3 * page).unwrap();
+        // 5 pages, which neither cached block can serve: 13 pages are over
+        // the budget until both go.
+        let z = a.alloc(5 * page).unwrap();
         let s = a.stats();
-        assert_eq!((s.cached_blocks, s.evicted, s.refused_budget), (1, 1, 0));
+        assert_eq!(
+            (s.cached_blocks, s.evicted, s.refused_budget, s.reused),
+            (0, 2, 0, 0)
+        );
         assert_eq!(lock(&a.state).bytes, 9 * page);
-        // Growing in place takes the remaining cached block's budget.
-        assert!(matches!(a.realloc(z, 6 * page), Realloc::Moved(_)));
+        a.free(z);
+        // Growing in place takes a cached block's budget.
+        let w = a.alloc(page).unwrap();
+        assert_eq!(a.stats().cached_blocks, 1);
+        assert!(matches!(a.realloc(w, 6 * page), Realloc::Moved(_)));
         let s = a.stats();
-        assert_eq!((s.cached_blocks, s.evicted), (0, 2));
+        assert_eq!((s.cached_blocks, s.evicted), (0, 3));
         assert_eq!(entries(d.path()), 2);
 
         // The block limit (another directory: file names restart at 0).
@@ -1553,11 +1639,98 @@ mod tests {
         let p = b.alloc(page).unwrap();
         let q = b.alloc(page).unwrap();
         b.free(p);
-        assert!(b.alloc(2 * page).is_some()); // p's mapping went for it
+        assert!(b.alloc(3 * page).is_some()); // p's mapping went for it
         assert_eq!(b.stats().evicted, 1);
         assert_eq!(b.alloc(page), None);
         assert_eq!(b.stats().refused_blocks, 1);
         b.free(q);
+    }
+
+    #[test]
+    fn a_cached_block_serves_a_length_within_the_fit_factor() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 1 << 30, 1 << 30);
+        let len = 64 * page;
+        let anchor = a.alloc(8 * len).unwrap();
+        let addr = a.alloc(len).unwrap();
+        let path = a.lookup(addr).unwrap().path;
+        unsafe { bytes(addr, len).fill(5) };
+        a.free(addr);
+
+        // Shorter, down to half: the same file, cut to the new length, its
+        // mapping shrunk in place; the shared pages take no fault.
+        let short = len / 2 + 3;
+        let faults = minor_faults();
+        let s1 = a.alloc(short).unwrap();
+        unsafe { bytes(s1, short).fill(6) };
+        assert!(minor_faults() - faults < 4, "reuse took page faults");
+        assert_eq!(s1, addr);
+        let info = a.lookup(s1).unwrap();
+        assert_eq!((info.path.as_path(), info.len), (path.as_path(), short));
+        assert_eq!(fs::metadata(&path).unwrap().len() as usize, page + short);
+        assert!(fs::read(&path).unwrap()[page..].iter().all(|&b| b == 6));
+        assert_eq!(a.stats().cached_bytes, 0);
+        assert_eq!(reserved(&a), (8 * len + round_up(short, page), 2));
+        a.free(s1);
+
+        // Longer, up to twice: grown (the new pages reserved), zeroed when
+        // asked, still the file's shared mapping.
+        let long = 2 * round_up(short, page);
+        let g = a.alloc_zeroed(long).unwrap();
+        assert!(unsafe { bytes(g, long) }.iter().all(|&b| b == 0));
+        unsafe { bytes(g, long).fill(7) };
+        let info = a.lookup(g).unwrap();
+        assert_eq!((info.path.as_path(), info.len), (path.as_path(), long));
+        assert_eq!(fs::metadata(&path).unwrap().len() as usize, page + long);
+        // Every data page backed (the header page is a hole until sealed).
+        assert_eq!(fs::metadata(&path).unwrap().blocks() as usize * 512, long);
+        assert!(fs::read(&path).unwrap()[page..].iter().all(|&b| b == 7));
+        assert_eq!(reserved(&a), (8 * len + long, 2));
+        assert_eq!(a.stats().reused, 2);
+        assert_eq!(entries(d.path()), 2);
+        a.free(g);
+
+        // The closest fit wins: an exact length first, then the shortest
+        // longer, then the longest shorter.
+        let sizes = [10 * page, 14 * page, 20 * page];
+        let blocks: Vec<usize> = sizes.iter().map(|&n| a.alloc(n).unwrap()).collect();
+        blocks.iter().for_each(|&b| assert!(a.free(b)));
+        let take = |n: usize| {
+            let b = a.alloc(n).unwrap();
+            (b, a.lookup(b).unwrap().path)
+        };
+        let path_of = |i: usize| d.path().join((2 + i).to_string());
+        assert_eq!(take(14 * page).1, path_of(1));
+        assert_eq!(take(12 * page).1, path_of(2));
+        assert_eq!(take(16 * page).1, path_of(0));
+        // Nothing left within the factor: a fresh file.
+        let (_, fresh) = take(29 * page);
+        assert_eq!(fresh, d.path().join("5"));
+        assert_eq!(a.stats().reused, 5);
+        a.free(anchor);
+    }
+
+    #[test]
+    fn a_cached_block_grown_over_the_budget_is_refused() {
+        let d = tmpfs_dir();
+        let page = page_size();
+        let a = cached_arena(d.path(), page, 10 * page, 1 << 30);
+        let _anchor = a.alloc(4 * page).unwrap();
+        let x = a.alloc(4 * page).unwrap();
+        a.free(x);
+        // 4 + 7 pages: over the budget even with the cached block's 4
+        // pages passed on; a fresh block would be refused too.
+        assert_eq!(a.alloc(7 * page), None);
+        let s = a.stats();
+        assert_eq!((s.refused_budget, s.cached_blocks, s.evicted), (1, 0, 1));
+        assert_eq!(reserved(&a), (4 * page, 1));
+        assert_eq!(entries(d.path()), 1);
+        // Within the budget it grows.
+        let y = a.alloc(3 * page).unwrap();
+        a.free(y);
+        assert!(a.alloc(6 * page).is_some());
+        assert_eq!(reserved(&a), (10 * page, 2));
     }
 
     #[test]

@@ -11,7 +11,8 @@ code it wraps.
 
 A freed block that nobody else can see (never sealed or handed over, its
 file linked only by the arena) is kept, file and mapping intact, in a
-bounded free cache, and the next allocation of the same size takes it back:
+bounded free cache, and the next allocation of up to twice or down to half
+its size takes it back (shrunk or grown, keeping the pages in common):
 a steady workload creates no new files and faults no new tmpfs pages in
 (fresh 4 KiB tmpfs pages cost ~3x what ordinary memory does). Cached blocks
 still count against the budget and as the process's own memory
