@@ -928,6 +928,8 @@ impl Arena {
                         ..block
                     },
                 );
+                // Fewer bytes in use: the cache may hold no more (as on free).
+                st.trim_to_live(evicted);
                 Realloc::Moved(to)
             }
             Err(_) => {
@@ -1823,6 +1825,23 @@ mod tests {
         );
         assert_eq!(a.alloc(2 * page).unwrap(), blocks[3]);
         assert_eq!(a.stats().reused, 1);
+
+        // Shrinking a block in use trims the cache with the live bytes.
+        let big = a.alloc(8 * page).unwrap();
+        let y = a.alloc(2 * page).unwrap();
+        let z = a.alloc(2 * page).unwrap();
+        a.free(y);
+        a.free(z);
+        assert_eq!(a.stats().cached_blocks, 2);
+        // (blocks[3] is in use too: 2 + 1 pages live after the shrink.)
+        let big = match a.realloc(big, page) {
+            Realloc::Moved(to) => to,
+            other => panic!("{other:?}"),
+        };
+        let s = a.stats();
+        assert_eq!((s.cached_blocks, s.cached_bytes), (1, 2 * page));
+        a.free(big);
+        a.release_cache();
 
         // Freeing a block that is never cached (sealed) shrinks the live
         // bytes too, and trims the cache with them.
