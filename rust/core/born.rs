@@ -25,15 +25,15 @@
 //!   to fit, so a steady workload creates no files, allocates no tmpfs
 //!   pages and takes no page faults for the pages in common (on a 4 KiB-page
 //!   tmpfs, faulting fresh pages in costs ~3x what anonymous memory does,
-//!   and unlinking frees them all again). Cached blocks still count against the byte and block budgets
-//!   (and in [`Stats`]); they are evicted (unmapped and unlinked), oldest
-//!   first, beyond the cache's cap, beyond the bytes of the live blocks
-//!   (all but the newest: once a graph's arrays are released, nothing is
-//!   left for the cache to serve), when a fresh allocation needs their
-//!   budget, once they waited unused for the cache's decay (1 s by
-//!   default: a length nobody asks for again does not hold its pages until
-//!   the cap pushes it out), when the settings shrink or change directory,
-//!   and on stop.
+//!   and unlinking frees them all again). Cached blocks still count against
+//!   the byte and block budgets (and in [`Stats`]); they are evicted
+//!   (unmapped and unlinked), oldest first, beyond the cache's cap, beyond
+//!   the bytes of the live blocks (all but the newest: once a graph's
+//!   arrays are released, nothing is left for the cache to serve), when a
+//!   fresh or grown allocation needs their budget, once they waited unused
+//!   for the cache's decay (1 s by default: a length nobody asks for again
+//!   does not hold its pages until the cap pushes it out), when the
+//!   settings shrink or change directory, and on stop.
 //! - [`Arena::seal`] writes the header and replaces the block's mapping in
 //!   place by a `MAP_PRIVATE` mapping of the same file at the same address:
 //!   later writes by the owner are copy-on-write and never reach the file,
