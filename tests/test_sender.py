@@ -104,10 +104,14 @@ def test_links_made_after_the_request_ended_are_deleted(buffer):
     proxy = _HandleSwappingComm(comm, buffer, frozenset({2}), None)
     data = batch(buffer, 4 * OFFLOAD_KEYS)
     started = threading.Event()
+    cancelled = threading.Event()
     export = buffer.export
 
     def slow_export(*args: Any, **kwargs: Any) -> Any:
+        # Held until the request is cancelled: on a busy host the thread
+        # could otherwise write the whole batch before the loop cancels it.
         started.set()
+        cancelled.wait(10)
         return export(*args, **kwargs)
 
     buffer.export = slow_export  # type: ignore[method-assign]
@@ -117,6 +121,7 @@ def test_links_made_after_the_request_ended_are_deleted(buffer):
         while not started.is_set():
             await asyncio.sleep(0.001)
         write.cancel()
+        cancelled.set()
         with pytest.raises(asyncio.CancelledError):
             await write
         proxy.delete_links()  # what the get_data wrapper does once the handler ends
