@@ -588,15 +588,14 @@ impl Arena {
                 st.evict_expired(Instant::now(), self.cache_decay(), &mut evicted);
                 match taken {
                     Some(c) => {
-                        // Its reservation becomes the new length's; cached
+                        // Its reservation passes to the new length; cached
                         // blocks give way to one that grows.
+                        st.bytes -= c.map_len;
                         let budget = self.budget.load(Ordering::Relaxed);
-                        while (st.bytes - c.map_len).saturating_add(map_len) > budget
+                        while st.bytes.saturating_add(map_len) > budget
                             && st.evict_oldest(&mut evicted)
                         {}
-                        let others = st.bytes - c.map_len;
-                        if others.saturating_add(map_len) > budget {
-                            st.bytes = others;
+                        if st.bytes.saturating_add(map_len) > budget {
                             st.count -= 1;
                             evicted.push(c);
                             self.refused_budget.fetch_add(1, Ordering::Relaxed);
@@ -604,7 +603,7 @@ impl Arena {
                             self.destroy(evicted);
                             return None;
                         }
-                        st.bytes = others + map_len;
+                        st.bytes += map_len;
                         Ok(c)
                     }
                     None => {
