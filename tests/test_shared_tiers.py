@@ -420,9 +420,9 @@ def test_a_64_mib_tmpfs_root_completes_with_data_in_tier_3(tmp_path):
     assert ours["result"] == stock["result"]
     assert ours["tier3_files"] > 0
     assert "keeping data in memory" not in ours["stderr"]
-    # Stock keeps its workers here (worker memory at start ~170 MiB of 400 MiB
-    # with xarray installed); so must we.
-    assert stock["workers_replaced"] == 0 and stock["restart_events"] == 0
+    # Stock keeps its workers here as a rule (worker memory at start ~170 MiB
+    # of 400 MiB with xarray installed), though on a loaded host it has lost
+    # one; ours must keep them whatever stock's run did.
     assert ours["workers_replaced"] == 0 and ours["restart_events"] == 0
     warnings = [ln for ln in ours["stderr"].splitlines() if "--shm-size" in ln]
     assert len(warnings) == 2, warnings  # once per worker process, naming the fix
