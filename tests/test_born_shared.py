@@ -459,7 +459,7 @@ def test_settings_from_config(shm_dir: str) -> None:
         {"shm.shared-memory.born-shared": True, "shm.shared-memory.born-threshold": "4 MiB"}
     ):
         s = born_worker.BornSettings.from_config()
-    assert s.enabled_for(shm_dir) and s.threshold == 4 * MiB
+    assert s.decision(shm_dir)[0] and s.threshold == 4 * MiB
     assert 0 < s.budget_for(shm_dir, 10 * MiB) <= 10 * MiB
     for key, bad in [("born-shared", "yes"), ("born-threshold", "lots"), ("born-budget", -1)]:
         with dask.config.set({f"shm.shared-memory.{key}": bad}):

@@ -202,6 +202,27 @@ def test_json_has_the_same_facts_and_the_same_exit_status(roomy_tmpfs):
     assert f"- {problem['message']}\n  fix: {problem['fix']}" in text.stdout
 
 
+def test_says_whether_arrays_are_born_shared_on_the_root_and_why():
+    forced = "[force]" in open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+    with small_tmpfs("1g", huge="within_size") as huge, small_tmpfs("1g") as plain:
+        on = run_info("--root", huge)
+        off = run_info("--root", plain, "--json")
+        with dask.config.set({"shm.shared-memory.born-shared": False}):
+            switched_off = collect_info(root=huge)
+    assert on.returncode == 0, on.stdout + on.stderr
+    assert f"  arrays born shared: on: {huge} serves huge pages (born-shared: auto)\n" in on.stdout
+    born = json.loads(off.stdout)["born_shared"]
+    if forced:  # the kernel gives every tmpfs huge pages
+        assert born.startswith("on: ")
+    else:
+        assert born.startswith(f"off: {plain} serves no huge pages")
+        assert "huge=within_size" in born and "born-shared: true" in born
+    assert switched_off.born_shared == "off: shm.shared-memory.born-shared is false"
+    assert "arrays born shared: off: shm.shared-memory.born-shared is false" in format_info(
+        switched_off
+    )
+
+
 def one_worker_cluster() -> LocalCluster:
     """One in-process worker, reachable from another process over TCP."""
     return LocalCluster(

@@ -12,9 +12,12 @@ import pytest
 
 
 @contextlib.contextmanager
-def small_tmpfs(size: str = "64m", *, read_only: bool = False) -> Iterator[str]:
+def small_tmpfs(
+    size: str = "64m", *, read_only: bool = False, huge: str | None = None
+) -> Iterator[str]:
     """A real tmpfs of ``size`` mounted on a fresh directory (root only),
-    read-only if asked (as a container's read-only mount)."""
+    read-only if asked (as a container's read-only mount), with the ``huge=``
+    option given (as a root made for arrays born shared)."""
     path = tempfile.mkdtemp(prefix="dask-shm-tmpfs-")
     try:
         proc = subprocess.run(
@@ -23,7 +26,9 @@ def small_tmpfs(size: str = "64m", *, read_only: bool = False) -> Iterator[str]:
                 "-t",
                 "tmpfs",
                 "-o",
-                f"size={size},mode=1777" + (",ro" if read_only else ""),
+                f"size={size},mode=1777"
+                + (",ro" if read_only else "")
+                + (f",huge={huge}" if huge else ""),
                 "tmpfs",
                 path,
             ],

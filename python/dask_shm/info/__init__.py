@@ -12,7 +12,9 @@ problem, else 0 (``--json`` too).
 
 Checked: the shared-memory root (``shm.shared-memory.root``, default
 ``/dev/shm``) exists, is on a tmpfs, is writable and has room; the per-user
-directory under it (``dask-shm-<uid>``) is safe if it exists; the open-files
+directory under it (``dask-shm-<uid>``) is safe if it exists; whether a
+worker on it would have arrays born shared, and why (not a problem either
+way); the open-files
 limit against what a worker of this host would need and ``vm.max_map_count``
 against what a worker could map (held values and born-shared blocks);
 the platform (shared memory needs Linux); the ``shm`` config validates; and,

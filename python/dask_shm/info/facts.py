@@ -33,6 +33,7 @@ from dask_shm.config import (
     unknown_keys,
 )
 from dask_shm.preload import kept_data_mapping, preloaded_plugins
+from dask_shm.shared.born_worker import BornSettings
 from dask_shm.shared.limits import summary
 from dask_shm.shared.metrics import TierFigures, file_tiers
 from dask_shm.shared.paths import (
@@ -172,6 +173,10 @@ class HostInfo:
     versions: dict[str, str] = field(default_factory=dict)
     #: Every distributed internal dask-shm hooks, present or not.
     hooks: list[HookStatus] = field(default_factory=list)
+    #: Whether a shared-mode worker on the root would have arrays born shared,
+    #: and why: "on: ..." or "off: ..." (None: not Linux, no directory, or an
+    #: invalid ``born-*`` value, which ``config_errors`` names).
+    born_shared: str | None = None
 
 
 def configured_root() -> str:
@@ -431,6 +436,11 @@ def gather_facts(
             info.limits = summary(root, settings.max_bytes if settings else None)
         except OSError:
             info.limits = None
+        try:
+            on, why = BornSettings.from_config().decision(root)
+            info.born_shared = f"{'on' if on else 'off'}: {why}"
+        except ValueError:
+            info.born_shared = None
     if hasattr(os, "geteuid"):
         # Without a valid config only the root given (or the default) is known.
         specs = tiers_of(settings, root) if settings is not None else None

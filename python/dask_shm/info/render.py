@@ -123,6 +123,8 @@ def format_info(info: HostInfo) -> str:
             "ok" if os.path.lexists(info.user_dir) else "not created yet"
         )
         rows.append(("user directory", f"{info.user_dir}: {state}"))
+    if info.born_shared is not None and info.on_tmpfs:
+        rows.append(("arrays born shared", info.born_shared))
     section("Shared-memory root", rows)
 
     if info.dead_files:

@@ -91,8 +91,19 @@ class BornSettings:
         )
         return cls(mode, threshold, budget)
 
-    def enabled_for(self, root: str) -> bool:
-        return huge_pages(root) if self.mode == "auto" else bool(self.mode)
+    def decision(self, root: str) -> tuple[bool, str]:
+        """Whether arrays are born shared on ``root``, and why, as a phrase
+        for the worker's log line and ``dask shm info``."""
+        if self.mode != "auto":
+            value = "true" if self.mode else "false"
+            return bool(self.mode), f"shm.shared-memory.born-shared is {value}"
+        if huge_pages(root):
+            return True, f"{root} serves huge pages (born-shared: auto)"
+        return False, (
+            f"{root} serves no huge pages, and arrays made for peers or spilled would "
+            "fault fresh 4 KiB tmpfs pages in, slower than ordinary memory (mount the "
+            "root with huge=within_size, or set shm.shared-memory.born-shared: true)"
+        )
 
     def budget_for(self, root: str, memory_limit: int | None) -> int:
         if self.budget != "auto":
@@ -213,14 +224,9 @@ class BornSharedPlugin(WorkerPlugin):
             self._report(worker, "arrays born shared need shared-memory mode; off")
             return
         root = buffer.store.root
-        if not settings.enabled_for(root):
-            self._report(
-                worker,
-                f"arrays born shared off: {root} serves no huge pages, and "
-                "arrays made for peers or spilled would fault fresh 4 KiB tmpfs pages "
-                "in, slower than ordinary memory (mount the root with "
-                "huge=within_size, or set shm.shared-memory.born-shared: true)",
-            )
+        on, why = settings.decision(root)
+        if not on:
+            self._report(worker, f"arrays born shared off: {why}")
             return
         try:
             _core.born_handler()
