@@ -61,6 +61,14 @@ it goes, with the load average):
   host). Unlike wall time it does not depend on how a busy host shares its
   cores. A worker that died meanwhile takes its CPU with it; one started
   meanwhile counts from its start;
+- ``loop_stalled_seconds``, ``loop_stalls``, ``loop_max_stall_ms``: how
+  long the workers' event loops could not run anything (transfers, the
+  memory monitor's spilling, the scheduler's messages): a callback asks to
+  run every 10 ms on each worker's loop, and every wait over 50 ms is a
+  stall, counted with its excess over 10 ms (summed over the workers; a
+  worker that restarted counts from its restart). Beside ``busy`` and
+  ``worker_cpu_seconds`` it tells a wall time lost to a blocked loop from
+  one lost in tasks;
 - ``born_shared``: whether the workers allocate arrays born shared
   (False for stock);
 - ``worker_restarts``: workers the scheduler removed during the compute
@@ -287,6 +295,41 @@ def _workers_removed(dask_scheduler: Any) -> int:
     return sum(1 for _, msg in events if msg.get("action") == "remove-worker")
 
 
+#: The loop watch's period and what counts as a stall (see the module's docstring).
+LOOP_TICK = 0.01
+LOOP_STALL = 0.05
+
+
+def _watch_loop(dask_worker: Any) -> None:
+    """Start recording the stalls of this worker's event loop."""
+    from tornado.ioloop import PeriodicCallback
+
+    stalls: list[float] = []
+    last = time.perf_counter()
+
+    def tick() -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - last > LOOP_STALL:
+            stalls.append(now - last - LOOP_TICK)
+        last = now
+
+    callback = PeriodicCallback(tick, LOOP_TICK * 1000)
+    callback.start()
+    dask_worker._bench_loop_watch = (callback, stalls)
+
+
+def _loop_stalls(dask_worker: Any) -> list[float]:
+    """Stop the watch and return the stalls' excesses in seconds (none for a
+    worker started after the watch)."""
+    watch = getattr(dask_worker, "_bench_loop_watch", None)
+    if watch is None:
+        return []
+    callback, stalls = watch
+    callback.stop()
+    return stalls
+
+
 def _born_shared() -> bool:
     return born_stats()["directory"] is not None
 
@@ -330,12 +373,14 @@ def test_workload(
         lo0 = loopback_sent()
         removed0 = client.run_on_scheduler(_workers_removed)
         cpu0 = worker_cpu_seconds(set(client.run(os.getpid).values()))
+        client.run(_watch_loop)
         with PeakMeminfo() as peak, get_task_stream(client) as stream:
 
             def compute() -> None:
                 results.append(run(client, memory, SCALE))
 
             benchmark.pedantic(compute, rounds=1, iterations=1)
+        stalls = [s for worker in client.run(_loop_stalls).values() for s in worker]
         tasks = task_stream_figures(stream.data, WORKERS, benchmark.stats.stats.median)
         loopback = loopback_sent() - lo0
         cpu1 = worker_cpu_seconds(set(cpu0) | set(client.run(os.getpid).values()))
@@ -355,6 +400,9 @@ def test_workload(
         **totals,
         **tasks,
         "worker_cpu_seconds": round(worker_cpu, 2),
+        "loop_stalled_seconds": round(sum(stalls), 2),
+        "loop_stalls": len(stalls),
+        "loop_max_stall_ms": round(max(stalls, default=0.0) * 1000),
         "born_shared": born,
         "worker_restarts": restarts,
         "pcp_high_fraction": pcp_high_fraction,
@@ -380,6 +428,8 @@ def test_workload(
         f"  ahead {info['written_ahead']} ({info['written_ahead_unused']} unused)"
         f"  tasks {tasks['task_seconds']} s (busy {tasks['busy']})"
         f"  cpu {info['worker_cpu_seconds']} s"
+        f"  loop stalls {info['loop_stalls']} ({info['loop_stalled_seconds']} s,"
+        f" max {info['loop_max_stall_ms']} ms)"
         f"  transfers {tasks['transfers']} (median {tasks['transfer_median_ms']} ms)"
         f"  equal {info.get('equal_to_stock', '-')}  born {born}  restarts {restarts}"
         f"  load {info['load_average']}"
