@@ -108,31 +108,30 @@ def test_read_only_root_is_told_apart_from_permissions_once():
             paths.check_root(root)
 
 
-def _info_as(uid: int, root: str) -> dict:
-    """``collect_info(root)`` judged as ``uid`` (a forked child that drops
-    its effective ids; Python itself lives where that uid cannot read)."""
-    from dask_shm.info.render import as_json
+_INFO_AS = """
+import json, os, sys
+from dask_shm.info import collect_info
+from dask_shm.info.render import as_json
+uid, root = int(sys.argv[1]), sys.argv[2]
+collect_info(root)  # import everything it needs while still root
+os.setegid(uid)
+os.seteuid(uid)
+json.dump(as_json(collect_info(root)), sys.stdout, default=str)
+"""
 
-    collect_info(root)  # import everything it needs while still root
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            os.close(read)
-            os.setegid(uid)
-            os.seteuid(uid)
-            with os.fdopen(write, "w") as out:
-                json.dump(as_json(collect_info(root)), out, default=str)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as f:
-        text = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return json.loads(text)
+
+def _info_as(uid: int, root: str) -> dict:
+    """``collect_info(root)`` judged as ``uid``: a fresh interpreter that
+    imports as root, then drops its effective ids (Python itself lives where
+    that uid cannot read)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _INFO_AS, str(uid), root],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 def test_root_without_write_permission_suggests_chmod(roomy_tmpfs):
