@@ -68,7 +68,9 @@ it goes, with the load average):
   stall, counted with its excess over 10 ms (summed over the workers; a
   worker that restarted counts from its restart). Beside ``busy`` and
   ``worker_cpu_seconds`` it tells a wall time lost to a blocked loop from
-  one lost in tasks;
+  one lost in tasks. It says how long, not whose code: that is
+  tests/loop_attribution.py's job, whose stack sampling would weigh on
+  these runs;
 - ``born_shared``: whether the workers allocate arrays born shared
   (False for stock);
 - ``worker_restarts``: workers the scheduler removed during the compute
