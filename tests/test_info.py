@@ -253,6 +253,16 @@ def test_invalid_config_in_process():
     assert info.root == "/dev/shm"  # the root is still inspected
 
 
+def test_invalid_born_shared_value_is_a_problem_not_a_guess():
+    # A worker refuses to start with it: info must not say "no problems".
+    with dask.config.set({"shm.shared-memory.born-budget": "lots"}):
+        info = collect_info()
+    assert info.born_shared is None
+    [problem] = [p for p in info.problems if p.kind == "config"]
+    assert "shm.shared-memory.born-budget" in problem.message
+    assert problem.fix.startswith("correct shm.shared-memory.born-budget;")
+
+
 class _NamedLikeTheSharedMemoryPlugin(WorkerPlugin):
     name = PLUGIN_NAME
 

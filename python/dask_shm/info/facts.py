@@ -174,8 +174,8 @@ class HostInfo:
     #: Every distributed internal dask-shm hooks, present or not.
     hooks: list[HookStatus] = field(default_factory=list)
     #: Whether a shared-mode worker on the root would have arrays born shared,
-    #: and why: "on: ..." or "off: ..." (None: not Linux, no directory, or an
-    #: invalid ``born-*`` value, which ``config_errors`` names).
+    #: and why: "on: ..." or "off: ..." (None: not Linux, not a tmpfs
+    #: directory, or an invalid ``born-*`` value, which ``config_errors`` names).
     born_shared: str | None = None
 
 
@@ -253,7 +253,9 @@ def _memory() -> tuple[int | None, int | None]:
         return None, None
 
 
-def _config_errors() -> tuple[SharedMemorySettings | None, list[str]]:
+def _config_errors() -> tuple[SharedMemorySettings | None, BornSettings | None, list[str]]:
+    """The validated shared-memory and born-shared settings (None where
+    invalid) and the messages of every invalid ``shm.*`` value."""
     from dask_shm.local import config as local_config
 
     errors: list[str] = [
@@ -263,6 +265,11 @@ def _config_errors() -> tuple[SharedMemorySettings | None, list[str]]:
     settings: SharedMemorySettings | None = None
     try:
         settings = SharedMemorySettings.from_config()
+    except ValueError as e:
+        errors.append(str(e))
+    born: BornSettings | None = None
+    try:
+        born = BornSettings.from_config()
     except ValueError as e:
         errors.append(str(e))
     for switch in SWITCHES:
@@ -280,7 +287,7 @@ def _config_errors() -> tuple[SharedMemorySettings | None, list[str]]:
             check()
         except ValueError as e:
             errors.append(str(e))
-    return settings, errors
+    return settings, born, errors
 
 
 def dead_files(tier: str, root: str) -> DeadFiles:
@@ -401,7 +408,7 @@ def gather_facts(
             user_dir = user_dir_path(root)
             user_problem = user_dir_problem(user_dir)
     memory_total, memory_used = _memory()
-    settings, config_errors = _config_errors()
+    settings, born, config_errors = _config_errors()
     config = configured_namespace()
     info = HostInfo(
         platform=platform.system() or "unknown",
@@ -436,11 +443,9 @@ def gather_facts(
             info.limits = summary(root, settings.max_bytes if settings else None)
         except OSError:
             info.limits = None
-        try:
-            on, why = BornSettings.from_config().decision(root)
+        if born is not None and info.on_tmpfs:
+            on, why = born.decision(root)
             info.born_shared = f"{'on' if on else 'off'}: {why}"
-        except ValueError:
-            info.born_shared = None
     if hasattr(os, "geteuid"):
         # Without a valid config only the root given (or the default) is known.
         specs = tiers_of(settings, root) if settings is not None else None

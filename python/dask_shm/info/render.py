@@ -123,7 +123,7 @@ def format_info(info: HostInfo) -> str:
             "ok" if os.path.lexists(info.user_dir) else "not created yet"
         )
         rows.append(("user directory", f"{info.user_dir}: {state}"))
-    if info.born_shared is not None and info.on_tmpfs:
+    if info.born_shared is not None:
         rows.append(("arrays born shared", info.born_shared))
     section("Shared-memory root", rows)
 
