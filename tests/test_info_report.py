@@ -202,7 +202,7 @@ def test_json_has_the_same_facts_and_the_same_exit_status(roomy_tmpfs):
 
 
 def test_says_whether_arrays_are_born_shared_on_the_root_and_why():
-    forced = "[force]" in open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+    forced = _shmem_forced_huge()
     with small_tmpfs("1g", huge="within_size") as huge, small_tmpfs("1g") as plain:
         on = run_info("--root", huge)
         off = run_info("--root", plain, "--json")
@@ -296,7 +296,64 @@ def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy
             f"tier 3 (disk) {format_bytes(w.tier3_bytes)}; data "
         ) in text
         assert "plugin" not in {p.kind for p in info.problems}
+        # What the worker itself decided about born arrays and P2P batches.
+        assert w.p2p_by_file is True
+        assert "; P2P batches to same-host peers as files; tier 1 (memory)" in text
+        if not _shmem_forced_huge():
+            assert w.born_shared == (
+                f"arrays born shared off: {roomy_tmpfs} serves no huge pages, and "
+                "arrays made for peers or spilled would fault fresh 4 KiB tmpfs pages in, "
+                "slower than ordinary memory (mount the root with huge=within_size, or set "
+                "shm.shared-memory.born-shared: true)"
+            )
+        assert f"shared-memory plugin active; {w.born_shared}; P2P batches" in text
         client.cancel([*futures, kept])
+
+
+def _shmem_forced_huge() -> bool:
+    """The kernel gives every tmpfs huge pages (then no root is plain)."""
+    with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+        return "[force]" in f.read()
+
+
+def test_scheduler_says_which_workers_have_arrays_born_shared():
+    # A huge-page root turns born arrays on (born-shared: auto); config
+    # switches them off. Each worker's own decision is what info reports.
+    with small_tmpfs("1g", huge="within_size") as huge:
+        for setting, expected in [
+            ("auto", f"arrays of {2**20} bytes or more born shared ("),
+            (False, "arrays born shared off: shm.shared-memory.born-shared is false"),
+        ]:
+            with (
+                dask.config.set(
+                    {"shm.shared-memory.enabled": True, "shm.shared-memory.born-shared": setting}
+                ),
+                one_worker_cluster() as cluster,
+                Client(cluster) as client,
+            ):
+                client.register_plugin(SharedMemoryPlugin(huge))
+                info = collect_info(huge, cluster.scheduler_address)
+                [w] = info.workers
+                assert w.plugin_active and w.born_shared is not None
+                assert w.born_shared.startswith(expected), w.born_shared
+                assert w.born_shared in format_info(info)
+
+        # Set up by the preload, then registered too (whose setup finds the
+        # mode on and does nothing): the preload's decision is reported.
+        with (
+            dask.config.set(
+                {
+                    "shm.shared-memory.enabled": True,
+                    "shm.shared-memory.root": huge,
+                    "distributed.worker.preload": ["dask_shm"],
+                }
+            ),
+            one_worker_cluster() as cluster,
+            Client(cluster) as client,
+        ):
+            client.register_plugin(SharedMemoryPlugin(huge))
+            [w] = collect_info(huge, cluster.scheduler_address).workers
+            assert w.born_shared is not None and " born shared (" in w.born_shared
 
 
 def test_workers_asked_for_shared_memory_without_a_spill_buffer_are_told_why(roomy_tmpfs):

@@ -19,8 +19,10 @@ limit against what a worker of this host would need and ``vm.max_map_count``
 against what a worker could map (held values and born-shared blocks);
 the platform (shared memory needs Linux); the ``shm`` config validates; and,
 given a scheduler address, which workers have the shared-memory plugin
-installed (off is a problem only where the worker's config enables it) and
-the bytes each holds in tier 2 (tmpfs) and tier 3 (disk); the versions of
+installed (off is a problem only where the worker's config enables it),
+whether each has arrays born shared (and why not) and hands P2P batches to
+same-host peers as files, and the bytes each holds in tier 2 (tmpfs) and
+tier 3 (disk); the versions of
 dask, distributed and dask-shm and every hooked distributed internal; and
 the bytes that dead processes' directories (left by a SIGKILL) hold on the
 shared-memory root and the disk root.

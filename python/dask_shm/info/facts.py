@@ -33,6 +33,7 @@ from dask_shm.config import (
     unknown_keys,
 )
 from dask_shm.preload import kept_data_mapping, preloaded_plugins
+from dask_shm.shared import p2p
 from dask_shm.shared.born_worker import BornSettings
 from dask_shm.shared.limits import summary
 from dask_shm.shared.metrics import TierFigures, file_tiers
@@ -88,6 +89,13 @@ class WorkerInfo:
     #: buffer: why its data mapping was kept (see
     #: :func:`dask_shm.preload.kept_data_mapping`).
     kept_mapping: str | None = None
+    #: What the plugin did about arrays born shared on this worker, as the
+    #: phrase of its log line (e.g. "arrays born shared off: <why>"); None
+    #: where the plugin is not active or could not say.
+    born_shared: str | None = None
+    #: Whether the worker hands P2P shuffle and rechunk batches to same-host
+    #: peers as files (False: as bytes, the stock way; None: plugin not active).
+    p2p_by_file: bool | None = None
 
 
 class HookStatus(NamedTuple):
@@ -311,7 +319,13 @@ def _worker_report(dask_worker: Any) -> dict[str, Any]:
     figures = published(dask_worker) if callable(published) else None
     active = PLUGIN_NAME in dask_worker.plugins or PLUGIN_NAME in preloaded_plugins(dask_worker)
     kept = requested is True and not active and not isinstance(data, StockSpillBuffer | SpillBuffer)
+    # The instance that installed the mode: the preload's, or a registered one.
+    preloaded = preloaded_plugins(dask_worker)
+    instances = (dask_worker.plugins.get(PLUGIN_NAME), preloaded.get(PLUGIN_NAME))
+    born_states = [getattr(plugin, "born_state", None) for plugin in instances]
     return {
+        "born_shared": next((state for state in born_states if state is not None), None),
+        "p2p_by_file": p2p.by_file(dask_worker.address) if active else None,
         "plugin_active": active,
         "data_class": f"{type(data).__module__}.{type(data).__qualname__}",
         "requested": requested if isinstance(requested, bool) else None,
@@ -370,6 +384,8 @@ def ask_workers(address: str, timeout: float) -> tuple[str | None, list[WorkerIn
                     tier3_bytes=None if tier3 is None else tier3.bytes,
                     tier2_budget=None if tier2 is None else tier2.budget,
                     kept_mapping=result.get("kept_mapping"),
+                    born_shared=result.get("born_shared"),
+                    p2p_by_file=result.get("p2p_by_file"),
                 )
             )
     return None, workers

@@ -53,6 +53,10 @@ def _worker_state(w: WorkerInfo) -> str:
         state = "shared-memory plugin NOT active though shm.shared-memory.enabled is true"
     else:
         state = "shared-memory plugin off (shm.shared-memory.enabled is false there)"
+    if w.born_shared is not None:
+        state += f"; {w.born_shared}"
+    if w.p2p_by_file is not None:
+        state += "; P2P batches to same-host peers " + ("as files" if w.p2p_by_file else "as bytes")
     if w.tier1_bytes is not None:
         tiers = [f"tier 1 (memory) {format_bytes(w.tier1_bytes)}"]
         for tier in w.file_tiers:

@@ -306,6 +306,12 @@ def enable(
     return True
 
 
+def by_file(address: str) -> bool:
+    """Whether the worker at ``address`` (in this process) hands its P2P
+    batches to same-host peers as files: :func:`enable` succeeded for it."""
+    return address in _workers
+
+
 def disable(address: str) -> None:
     """Stop for ``address``, removing its batch files; the stock methods come
     back when no worker of this process uses them."""

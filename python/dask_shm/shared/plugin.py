@@ -72,6 +72,15 @@ class SharedMemoryPlugin(WorkerPlugin):
         #: None: ``shm.shared-memory.root`` on the worker
         self.root = root
 
+    @property
+    def born_state(self) -> str | None:
+        """What this plugin's setup did about arrays born shared, as a phrase
+        (e.g. "arrays born shared off: <why>"); None when this instance did
+        not put its worker in shared-memory mode (not set up, or the mode
+        was already on)."""
+        born = getattr(self, "_born", None)
+        return None if born is None else born.state
+
     async def setup(self, worker: Worker) -> None:
         if isinstance(worker.data, SharedSpillBuffer):
             return
