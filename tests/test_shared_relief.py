@@ -111,6 +111,29 @@ def test_files_mapped_by_values_in_memory_stay(tier2_buffer):
     np.testing.assert_array_equal(buf["k0"], np.full(MiB, 0, dtype="f8"))
 
 
+def test_a_spill_under_a_new_cap_moves_one_step_not_the_whole_tier(tier2_buffer):
+    """The thread that spills (a worker's event loop) moves about as much as
+    it writes, not all that a lowered cap put over budget: the rest is the
+    relief thread's, in steps."""
+    buf = tier2_buffer
+    tiers = buf.store.tiers
+    for i in range(4):
+        buf[f"k{i}"] = np.full(MiB, i, dtype="f8")  # 8 MiB each, in tier 2
+    buf.cap_tier2(0)
+    buf["small"] = np.full(2**17, 9, dtype="f8")  # 1 MiB, spilled at once
+    where = {k: tiers.tier_of(buf.store.file_of(k)) for k in ("k0", "k1", "k2", "k3", "small")}
+    # One file (the least recently used) moved, the new one went past tier 2.
+    assert where == {"k0": 3, "k1": 2, "k2": 2, "k3": 2, "small": 3}, where
+
+    relief = Tier2Relief(buf, lambda: 90 * MiB, limit=100 * MiB, spill=0.7, target=0.6)
+    assert relief.check() >= 24 * MiB
+    assert {tiers.tier_of(buf.store.file_of(k)) for k in ("k1", "k2", "k3")} == {3}
+    assert buf.tier2_bytes() == 0
+    for i in range(4):
+        np.testing.assert_array_equal(buf[f"k{i}"], np.full(MiB, i, dtype="f8"))
+    np.testing.assert_array_equal(buf["small"], np.full(2**17, 9, dtype="f8"))
+
+
 def test_stop_gives_the_budget_back(tier2_buffer):
     buf = tier2_buffer
     relief = Tier2Relief(

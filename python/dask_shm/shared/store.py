@@ -226,8 +226,9 @@ class SharedSpillStore(SpillStore):
         and marked shareable but not registered for ``key`` (the caller
         registers or retains it), or None when ``value`` is not a whole
         born-shared numpy array whose serialized payload is the block itself,
-        or when the first tier has no room for the file even after moving
-        unmapped files down (the caller then writes a file the ordinary way).
+        or when the first tier has no room for the file after moving a step
+        of unmapped files down (about the file's size; the caller then writes
+        a file the ordinary way).
         Raises MaxSpillExceeded when the file would take the store past its
         ``max_weight``; OSError or ForgedHandleError if linking fails (the
         block is then sealed but still the arena's, and the value is unchanged)."""
@@ -237,8 +238,8 @@ class SharedSpillStore(SpillStore):
         size = found.size
         if self.max_weight is not False and self.files.total()[1] + size > self.max_weight:
             raise MaxSpillExceeded(key)
-        if not self.tiers.enforce(size):
-            return None  # no room in the first tier even after moving files down
+        if not self.tiers.make_room(size):
+            return None  # no room in the first tier after moving a step of files down
         path = found.seal()
         if path is None:
             return None

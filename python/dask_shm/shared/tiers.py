@@ -16,7 +16,9 @@ there are. Its one concern is *where* a file lives:
   because a tier is full.
 - when a tier is over its budget (files that were mapped by values in
   memory are released, the budget shrank), its least recently used files
-  that no value maps (unpinned) move to the next tier, and so on down.
+  that no value maps (unpinned) move to the next tier, and so on down, a
+  bounded step at a time: each ``put`` and ``unpin`` moves some, and
+  :meth:`TieredFiles.relieve` (a worker's relief thread) the rest.
 - a move copies the file in Rust with the GIL released
   (:func:`~dask_shm._core.move_entry`); the entry keeps its name here, so
   callers never see it move (except the owner's :attr:`TieredFiles.on_moved`
@@ -54,6 +56,13 @@ logger = logging.getLogger(__name__)
 #: per-file overhead of the spill format (header, alignment), an upper bound
 #: used only to decide where a file goes before it is written
 _FRAME_OVERHEAD = 128
+
+#: bytes of files over budget that an unpin moves down in the caller's thread
+#: (at least one file; a put moves about the size of what it writes): the
+#: rest is left to later calls and to :meth:`TieredFiles.relieve`, so a
+#: budget lowered by gigabytes does not stall one caller (a worker's event
+#: loop spilling a value) for the whole move
+CALLER_MOVE = 16 * 2**20
 
 #: number of the first file tier (tier 1 is private memory)
 FIRST_FILE_TIER = 2
@@ -333,6 +342,13 @@ class TieredFiles:
         (pinned)."""
         return self._move_over_budget(0, max_bytes)[1]
 
+    def make_room(self, incoming: int) -> bool:
+        """Like :meth:`enforce`, but move about ``incoming`` bytes at most
+        (at least one file): whether the first tier has room for
+        ``incoming`` bytes now. False, having moved a step, when more would
+        have to move than that."""
+        return self._move_over_budget(incoming, incoming)[0]
+
     def _move_over_budget(self, incoming: int, max_bytes: int | None) -> tuple[bool, int]:
         """(whether the first tier has room for ``incoming`` bytes, bytes
         moved), moving files over budget down the tiers until done or, with
@@ -344,9 +360,11 @@ class TieredFiles:
                 victims, room = tier.budget.plan(incoming if index == 0 else 0)
                 if index == 0:
                     fits = room
-                for name in victims:
+                for done, name in enumerate(victims, 1):
                     self._move(name, index)
                     if max_bytes is not None and self.moved_bytes - before >= max_bytes:
+                        if index == 0 and done < len(victims):
+                            fits = False  # the room needs the victims left
                         return fits, self.moved_bytes - before
             return fits, self.moved_bytes - before
 
@@ -375,12 +393,13 @@ class TieredFiles:
                 budget.pin(name)
 
     def unpin(self, name: str) -> None:
-        """No value maps ``name`` any longer; it may move (now, if over budget)."""
+        """No value maps ``name`` any longer; it may move. If its tier is over
+        budget, up to :data:`CALLER_MOVE` bytes of files move now."""
         with self._lock:
             budget = self.tiers[self._locate(name)[0]].budget
             if budget is not None:
                 budget.unpin(name)
-            self.enforce()
+            self.relieve(CALLER_MOVE)
 
     # -- the FileStore face ----------------------------------------------------
 
@@ -406,7 +425,9 @@ class TieredFiles:
         moves."""
         frames = list(frames)
         size = sum(memoryview(f).nbytes for f in frames) + _FRAME_OVERHEAD * (len(frames) + 1)
-        self.enforce()  # takes the lock itself
+        # Files over budget (the budget was lowered) move a step at a time:
+        # about this write's size here, the rest in later calls or relieve().
+        self.relieve(size)  # takes the lock itself
         index = 0
         while True:
             with self._lock:
