@@ -317,10 +317,10 @@ def _worker_report(dask_worker: Any) -> dict[str, Any]:
     requested = configured("shm.shared-memory.enabled")
     published = dask_worker.metrics.get("shm")
     figures = published(dask_worker) if callable(published) else None
-    active = PLUGIN_NAME in dask_worker.plugins or PLUGIN_NAME in preloaded_plugins(dask_worker)
+    preloaded = preloaded_plugins(dask_worker)
+    active = PLUGIN_NAME in dask_worker.plugins or PLUGIN_NAME in preloaded
     kept = requested is True and not active and not isinstance(data, StockSpillBuffer | SpillBuffer)
     # The instance that installed the mode: the preload's, or a registered one.
-    preloaded = preloaded_plugins(dask_worker)
     instances = (dask_worker.plugins.get(PLUGIN_NAME), preloaded.get(PLUGIN_NAME))
     born_states = [getattr(plugin, "born_state", None) for plugin in instances]
     return {
