@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 import sys
+import threading
 import time
 
 import numpy as np
@@ -186,6 +188,77 @@ def test_a_value_spilled_over_spill_goes_to_disk_at_once(shm_dir, tmp_path):
         assert buf.before_spill is None
         assert tiers.tier("shared").budget.limit == 40 * MiB
     finally:
+        buf.close()
+
+
+def test_values_survive_a_cap_that_swings_while_threads_use_the_buffer(shm_dir, tmp_path):
+    """The relief thread moving files while other threads store, read, hold,
+    delete and evict values (as a worker's loop, its task threads and its
+    offload thread do) loses and corrupts nothing."""
+    buf = _buffer(16 * MiB, shm_dir, tmp_path)
+    rest = [0]  # the worker's memory besides tier 2: swings around spill
+    relief = Tier2Relief(
+        buf,
+        lambda: rest[0] + buf.tier2_bytes(),
+        limit=200 * MiB,
+        spill=0.7,
+        target=0.6,
+        interval=0.005,
+    ).start()
+    buf.before_spill = relief.before_spill
+    expected: dict[str, tuple[int, float]] = {}
+    lock = threading.Lock()  # a buffer's callers are serialised, as in a worker
+    errors: list[object] = []
+    deadline = time.monotonic() + 3
+
+    def use(seed: int) -> None:
+        rng = random.Random(seed)
+        held = []
+        try:
+            while time.monotonic() < deadline:
+                key, op = f"k{rng.randrange(60)}", rng.random()
+                with lock:
+                    if op < 0.4:
+                        n = rng.choice([2**14, 2**17, 2**20])  # 128 KiB - 8 MiB
+                        x = float(rng.randrange(1000))
+                        buf[key] = np.full(n, x)
+                        expected[key] = (n, x)
+                    elif op < 0.75 and key in expected:
+                        value, (n, x) = buf[key], expected[key]
+                        if value.shape != (n,) or value[0] != x or value[-1] != x:
+                            errors.append((key, value.shape, expected[key]))
+                        held.append(value)  # mapped values pin their files
+                    elif op < 0.85 and key in expected:
+                        del buf[key], expected[key]
+                    elif buf.fast:
+                        buf.evict()
+                del held[:-5]
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    def swing() -> None:
+        rng = random.Random(0)
+        while time.monotonic() < deadline:
+            rest[0] = rng.choice([0, 50 * MiB, 110 * MiB, 150 * MiB])
+            time.sleep(0.02)
+        rest[0] = 0
+
+    threads = [threading.Thread(target=use, args=(i,)) for i in range(3)]
+    threads.append(threading.Thread(target=swing))
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:3]
+        assert relief.episodes > 5 and relief.moved_bytes > 0
+        relief.stop()
+        for key, (n, x) in expected.items():
+            np.testing.assert_array_equal(buf[key], np.full(n, x))
+        tier2 = buf.store.tiers.tier("shared").budget
+        assert tier2.limit == 40 * MiB
+    finally:
+        relief.stop()
         buf.close()
 
 
