@@ -14,7 +14,8 @@ and the nanny would restart at ``terminate`` a worker that stock keeps.
 
 - above ``spill``: caps tier 2 at what ``target`` leaves beside the rest of
   the worker's memory and moves tier 2's least recently used files over that
-  cap to the next tier (disk), in steps of at most :data:`STEP` bytes, each
+  cap to the next tier (disk), in steps of at most
+  :data:`~dask_shm.shared.tiers.MOVE_STEP` bytes, each
   under the buffer's operation lock and with a pause between them in which
   a waiting thread takes it, so the event loop waits one step at most;
 - below ``target``: raises the cap as the rest of the memory shrinks, back
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING
 from dask.utils import format_bytes
 
 from dask_shm.shared.monitor import worker_alive
+from dask_shm.shared.tiers import MOVE_STEP
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -53,8 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: bytes moved per hold of the buffer's operation lock
-STEP = 16 * 2**20
 #: seconds between two steps, for threads waiting on the lock to take it
 STEP_PAUSE = 0.0005
 #: seconds a cap set by :meth:`Tier2Relief.before_spill` stands for the next
@@ -127,7 +127,7 @@ class Tier2Relief:
         if not self.update_cap():
             return 0
         moved = 0
-        while step := self._buffer.relieve_tier2(STEP):
+        while step := self._buffer.relieve_tier2(MOVE_STEP):
             moved += step
             # A thread waiting for the buffer's lock gets it now: Python's
             # locks are not fair, and taking it again at once would make it

@@ -57,12 +57,12 @@ logger = logging.getLogger(__name__)
 #: used only to decide where a file goes before it is written
 _FRAME_OVERHEAD = 128
 
-#: bytes of files over budget that an unpin moves down in the caller's thread
-#: (at least one file; a put moves about the size of what it writes): the
-#: rest is left to later calls and to :meth:`TieredFiles.relieve`, so a
-#: budget lowered by gigabytes does not stall one caller (a worker's event
-#: loop spilling a value) for the whole move
-CALLER_MOVE = 16 * 2**20
+#: bytes of files over budget moved down per hold of the lock by an unpin
+#: (at least one file; a put moves about the size of what it writes) and per
+#: step of a worker's relief thread (:meth:`TieredFiles.relieve`): a budget
+#: lowered by gigabytes does not stall one caller (a worker's event loop
+#: spilling a value) for the whole move
+MOVE_STEP = 16 * 2**20
 
 #: number of the first file tier (tier 1 is private memory)
 FIRST_FILE_TIER = 2
@@ -394,12 +394,12 @@ class TieredFiles:
 
     def unpin(self, name: str) -> None:
         """No value maps ``name`` any longer; it may move. If its tier is over
-        budget, up to :data:`CALLER_MOVE` bytes of files move now."""
+        budget, up to :data:`MOVE_STEP` bytes of files move now."""
         with self._lock:
             budget = self.tiers[self._locate(name)[0]].budget
             if budget is not None:
                 budget.unpin(name)
-            self.relieve(CALLER_MOVE)
+            self.relieve(MOVE_STEP)
 
     # -- the FileStore face ----------------------------------------------------
 
