@@ -22,6 +22,7 @@ import psutil
 import pytest
 from clusters import process_cluster, worker_addresses
 from distributed.utils_test import gen_cluster, gen_test
+from tmpfs import shmem_forced_huge
 
 from dask_shm._core import born_stats, read_peer_file
 from dask_shm.shared import born, born_worker, paths
@@ -478,8 +479,7 @@ def test_huge_pages_read_from_mount_options(tmp_path, monkeypatch) -> None:
     )
     assert born_worker.huge_pages(str(tmp_path))
     mounts.write_text(f"tmpfs {tmp_path} tmpfs rw,huge=never 0 0\n")
-    forced = "[force]" in open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
-    assert born_worker.huge_pages(str(tmp_path)) == forced
+    assert born_worker.huge_pages(str(tmp_path)) == shmem_forced_huge()
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from dask.utils import format_bytes
 from distributed import Client, LocalCluster
-from tmpfs import small_tmpfs
+from tmpfs import shmem_forced_huge, small_tmpfs
 
 from dask_shm import SharedMemoryPlugin
 from dask_shm._core import is_ram_backed
@@ -202,7 +202,7 @@ def test_json_has_the_same_facts_and_the_same_exit_status(roomy_tmpfs):
 
 
 def test_says_whether_arrays_are_born_shared_on_the_root_and_why():
-    forced = _shmem_forced_huge()
+    forced = shmem_forced_huge()
     with small_tmpfs("1g", huge="within_size") as huge, small_tmpfs("1g") as plain:
         on = run_info("--root", huge)
         off = run_info("--root", plain, "--json")
@@ -299,7 +299,7 @@ def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy
         # What the worker itself decided about born arrays and P2P batches.
         assert w.p2p_by_file is True
         assert "; P2P batches to same-host peers as files; tier 1 (memory)" in text
-        if not _shmem_forced_huge():
+        if not shmem_forced_huge():
             assert w.born_shared == (
                 f"arrays born shared off: {roomy_tmpfs} serves no huge pages, and "
                 "arrays made for peers or spilled would fault fresh 4 KiB tmpfs pages in, "
@@ -308,12 +308,6 @@ def test_scheduler_gives_bytes_per_tier_and_off_is_no_problem_unless_asked(roomy
             )
         assert f"shared-memory plugin active; {w.born_shared}; P2P batches" in text
         client.cancel([*futures, kept])
-
-
-def _shmem_forced_huge() -> bool:
-    """The kernel gives every tmpfs huge pages (then no root is plain)."""
-    with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-        return "[force]" in f.read()
 
 
 def test_scheduler_says_which_workers_have_arrays_born_shared():

@@ -11,6 +11,13 @@ from collections.abc import Iterator
 import pytest
 
 
+def shmem_forced_huge() -> bool:
+    """The kernel gives every tmpfs huge pages (``shmem_enabled`` is
+    ``force``): then no root is without them."""
+    with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+        return "[force]" in f.read()
+
+
 @contextlib.contextmanager
 def small_tmpfs(
     size: str = "64m", *, read_only: bool = False, huge: str | None = None
