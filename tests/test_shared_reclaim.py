@@ -28,7 +28,7 @@ import dask
 import numpy as np
 import psutil
 import pytest
-from clusters import process_cluster, worker_addresses
+from clusters import NO_AMM, process_cluster, worker_addresses
 from dask.utils import format_bytes
 from tmpfs import small_tmpfs
 
@@ -388,6 +388,77 @@ def test_a_nanny_reclaims_off_its_event_loop(shm_dir, disk_root, monkeypatch):
 
     with dask.config.set(shared_config(shm_dir, disk_root)):
         asyncio.run(start_and_close())
-    # both roots, at start and at close, all in threads
-    assert len(on_loop_thread) == 4 and not any(on_loop_thread)
+    # both roots, at start, at close and once the worker process is gone,
+    # all in threads
+    assert len(on_loop_thread) == 6 and not any(on_loop_thread)
     assert not any(os.path.exists(f) for f in files)
+
+
+def process_dirs(root: str) -> list[str]:
+    """The process directories under ``root``'s user directory."""
+    base = os.path.join(root, f"dask-shm-{UID}")
+    return sorted(n for n in os.listdir(base) if n.startswith("p-")) if os.path.isdir(base) else []
+
+
+def test_a_worker_its_nanny_kills_at_close_leaves_nothing_on_either_root(shm_dir, disk_root):
+    """A worker that does not end within its nanny's close timeout is killed
+    (SIGKILL), so its own teardown never removes its files. Stock's nanny then
+    removes the worker's local directory; ours must remove what the worker left
+    on the tmpfs (RAM) and the disk tier, or it stays until some later process
+    starts on that root (found by a soak that killed workers during P2P
+    shuffles: a sender stuck on a send to the dead peer was killed at close)."""
+    from distributed import Client, LocalCluster, WorkerPlugin
+
+    class StuckClose(WorkerPlugin):
+        name = "stuck-close"
+
+        def teardown(self, worker):
+            import time
+
+            time.sleep(60)  # the event loop blocked: the nanny has to kill the process
+
+    with dask.config.set({**NO_AMM, **shared_config(shm_dir, disk_root)}):
+        cluster = LocalCluster(
+            n_workers=2, threads_per_worker=1, memory_limit="1 GiB", dashboard_address=":0"
+        )
+        client = Client(cluster)
+        try:
+            a, b = worker_addresses(client)
+            x = client.submit(np.ones, 2 * MB, workers=[a], pure=False)  # 16 MiB
+            y = client.submit(lambda v: v * 2, x, workers=[b], pure=False)
+            y.result()
+            # handed over by link: the value's file is in both workers' directories
+            assert client.run(shm_metrics)[a]["link_bytes"] >= 16 * MB
+            assert len(process_dirs(shm_dir)) == 2
+            assert len(process_dirs(disk_root)) == 2
+            pids = list(client.run(os.getpid).values())
+            client.register_plugin(StuckClose())
+            # the cluster closes with x and y still held: nothing released them
+            cluster.close()
+        finally:
+            client.close()
+            cluster.close()
+    assert all(dead(pid) for pid in pids)
+    assert process_dirs(shm_dir) == []
+    assert allocated(shm_dir) < MB
+    assert process_dirs(disk_root) == []
+    peers = os.path.join(shm_dir, f"dask-shm-{UID}", "peers")
+    assert not os.path.isdir(peers) or os.listdir(peers) == []
+
+
+def test_a_nanny_plugin_removed_from_a_running_nanny_gives_its_kill_back(shm_dir, disk_root):
+    from distributed import Nanny
+
+    from dask_shm.shared import SharedMemoryNannyPlugin
+
+    config = {
+        "shm.shared-memory.root": shm_dir,
+        "shm.shared-memory.disk-root": disk_root,
+    }
+    with dask.config.set(config), process_cluster(1, "512 MiB") as client:
+        [nanny] = client.cluster.workers.values()
+        assert nanny.kill.__func__ is Nanny.kill
+        client.register_plugin(SharedMemoryNannyPlugin(), name="shm-nanny")
+        assert getattr(nanny.kill, "__func__", None) is not Nanny.kill
+        client.unregister_worker_plugin("shm-nanny", nanny=True)
+        assert nanny.kill.__func__ is Nanny.kill

@@ -161,6 +161,14 @@ def nanny_instantiate_hook() -> bool:
     )
 
 
+def nanny_kill_after_teardown() -> bool:
+    """Whether ``Nanny.close`` ends the worker process with ``self.kill()``
+    (looked up on the instance) after its plugins' teardown."""
+    from distributed.nanny import Nanny
+
+    return callable(getattr(Nanny, "kill", None)) and _code_mentions(Nanny.close, "kill")
+
+
 def _shuffle_run_methods() -> bool:
     from distributed.shuffle._core import ShuffleRun
     from distributed.shuffle._memory import MemoryShardsBuffer  # noqa: F401
@@ -248,6 +256,11 @@ HOOKS: tuple[Hook, ...] = (
         "distributed.nanny.Nanny.instantiate (called after the preloads)",
         "an invalid shm.* value stopping an in-process nanny from starting",
         nanny_instantiate_hook,
+    ),
+    Hook(
+        "distributed.nanny.Nanny.kill (awaited by Nanny.close after its plugins' teardown)",
+        "shared-memory mode: a nanny removing the files of a worker it had to kill",
+        nanny_kill_after_teardown,
     ),
 )
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import sys
 import uuid
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from dask.utils import format_bytes
+from distributed.core import Status
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from dask_shm.config import SharedMemorySettings, spill_compression
@@ -246,7 +248,14 @@ class SharedMemoryNannyPlugin(NannyPlugin):
     """Nanny side of shared-memory mode: the nanny's terminate check reads the
     worker's private memory plus its 1/k share of its tmpfs files (as the
     worker's own monitor does), and directories of dead
-    worker processes are removed from both roots when the nanny starts and closes.
+    worker processes are removed from both roots when the nanny starts and
+    closes, and after each time it kills its worker process.
+
+    The last is what stock's nanny does for a worker's local directory: a
+    worker that does not end within the nanny's close timeout (stuck in a
+    task, a plugin's teardown, a P2P send to a dead peer) is killed, and its
+    files, which its own close would have removed, would otherwise stay on
+    the tmpfs (RAM) until some later process starts on that root.
 
     >>> client.register_plugin(SharedMemoryNannyPlugin())  # doctest: +SKIP
     """
@@ -259,6 +268,9 @@ class SharedMemoryNannyPlugin(NannyPlugin):
         #: the tiers whose roots are swept, once set up (a first tier whose
         #: root is unusable left out); nothing if the setup failed on the config
         self._tiers: list[TierSpec] | None = None
+        #: the nanny's own kill and the one that sweeps after it, once set up
+        self._kill: tuple[Callable[..., Awaitable[None]], Callable[..., Awaitable[None]]] | None
+        self._kill = None
 
     def _usable(self, root: str) -> bool:
         try:
@@ -283,9 +295,33 @@ class SharedMemoryNannyPlugin(NannyPlugin):
         monitor.install_nanny_monitor(
             nanny, next((t.root for t in self._tiers if t.registry), None)
         )
+        self._sweep_after_kill(nanny)
+
+    def _sweep_after_kill(self, nanny: Nanny) -> None:
+        """Make ``nanny.kill`` sweep once the worker process is gone. Nanny.close
+        tears its plugins down first and kills its worker after, so teardown
+        alone cannot remove the files of a worker that had to be killed."""
+        kill = nanny.kill
+
+        @functools.wraps(kill)
+        async def kill_then_sweep(*args: Any, **kwargs: Any) -> None:
+            try:
+                await kill(*args, **kwargs)
+            finally:
+                await self._sweep()
+
+        nanny.kill = kill_then_sweep  # type: ignore[method-assign]
+        self._kill = (kill, kill_then_sweep)
 
     async def teardown(self, nanny: Nanny) -> None:
         await self._sweep()
+        # A closing nanny kills its worker after this: keep the sweep after it.
+        # Removed from a running nanny, the plugin gives the nanny its kill back.
+        if self._kill is not None and nanny.status not in (Status.closing, Status.closed):
+            kill, kill_then_sweep = self._kill
+            if nanny.kill is kill_then_sweep:
+                nanny.kill = kill  # type: ignore[method-assign,assignment]
+            self._kill = None
 
 
 async def sweep_off_the_loop(tiers: list[TierSpec]) -> int:
