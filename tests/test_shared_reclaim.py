@@ -2,6 +2,7 @@
 
 - a whole LocalCluster killed with SIGKILL: the next one on the same roots
   removes what it left on both tiers as it starts;
+- a worker its nanny has to kill at close: the nanny removes what it left;
 - ``dask shm clean`` and ``dask shm info`` on a dead and a live process;
 - a second user of the host gets shared mode with default config, in
   directories of its own, and leaves the first user's alone.
