@@ -127,7 +127,7 @@ class Tier2Relief:
         if not self.update_cap():
             return 0
         moved = 0
-        while step := self._buffer.relieve_tier2(MOVE_STEP):
+        while not self._stop.is_set() and (step := self._buffer.relieve_tier2(MOVE_STEP)):
             moved += step
             # A thread waiting for the buffer's lock gets it now: Python's
             # locks are not fair, and taking it again at once would make it
