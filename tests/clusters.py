@@ -11,6 +11,12 @@ from distributed import Client, LocalCluster
 
 NO_AMM = {"distributed.scheduler.active-memory-manager.start": False}
 
+#: For in-process workers given a memory limit: their memory monitor reads the
+#: whole pytest process, whose RSS grows past 800 MiB over the suite (freed
+#: heap that glibc keeps), so a 1 GiB worker would pause and its next task
+#: would wait for ever. Tests that are about pausing do not use this.
+IN_PROCESS_NO_PAUSE = {"distributed.worker.memory.pause": False}
+
 
 @contextlib.contextmanager
 def process_cluster(

@@ -7,6 +7,7 @@ import logging
 
 import dask
 import pytest
+from clusters import IN_PROCESS_NO_PAUSE
 from distributed import Client, LocalCluster, Scheduler, Worker
 from distributed.utils_test import captured_logger, gen_cluster, gen_test
 
@@ -21,6 +22,7 @@ from dask_shm.spans import SpansSchedulerExtension, SpansWorkerExtension
 @gen_cluster(
     client=True,
     nthreads=[("", 1)],
+    config=IN_PROCESS_NO_PAUSE,
     scheduler_kwargs={"preload": ["dask_shm"]},
     worker_kwargs={"preload": ["dask_shm"], "memory_limit": "1 GiB"},
 )
@@ -106,7 +108,7 @@ PRELOAD_BY_CONFIG = {
 @gen_cluster(
     client=True,
     nthreads=[("", 1)],
-    config=PRELOAD_BY_CONFIG,
+    config={**PRELOAD_BY_CONFIG, **IN_PROCESS_NO_PAUSE},
     scheduler_kwargs={"extensions": {}},
     worker_kwargs={"extensions": {}, "memory_limit": "1 GiB"},
 )
@@ -125,7 +127,7 @@ async def test_preload_adds_no_extension_a_server_was_built_without(c, s, a):
 @gen_cluster(
     client=True,
     nthreads=[("", 1)],
-    config=PRELOAD_BY_CONFIG,
+    config={**PRELOAD_BY_CONFIG, **IN_PROCESS_NO_PAUSE},
     worker_kwargs={"data": dict, "memory_limit": "1 GiB"},
 )
 async def test_preload_keeps_a_data_mapping_of_the_users(c, s, a):
@@ -139,7 +141,7 @@ async def test_preload_keeps_a_data_mapping_of_the_users(c, s, a):
 @gen_cluster(
     client=True,
     nthreads=[("", 1)],
-    config={**PRELOAD_BY_CONFIG, "shm.shared-memory.enabled": True},
+    config={**PRELOAD_BY_CONFIG, **IN_PROCESS_NO_PAUSE, "shm.shared-memory.enabled": True},
     worker_kwargs={"data": dict, "memory_limit": "1 GiB"},
 )
 async def test_shared_memory_preload_keeps_a_data_mapping_of_the_users(c, s, a):

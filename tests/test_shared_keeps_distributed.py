@@ -10,6 +10,7 @@ import os
 import dask
 import numpy as np
 import pytest
+from clusters import IN_PROCESS_NO_PAUSE
 from distributed import Nanny, Worker
 from distributed.utils_test import gen_cluster, inc
 
@@ -22,6 +23,7 @@ SHARED_BY_CONFIG = {
     "distributed.nanny.preload": ["dask_shm"],
     "shm.shared-memory.enabled": True,
 }
+SHARED_IN_PROCESS = {**SHARED_BY_CONFIG, **IN_PROCESS_NO_PAUSE}
 MB = 2**20
 
 
@@ -35,7 +37,7 @@ def _shared_mode(dask_worker: Worker) -> tuple[bool, list[str]]:
     return bool(getattr(dask_worker.data, "shared", False)), _ours(dask_worker.plugins)
 
 
-@gen_cluster(client=True, config=SHARED_BY_CONFIG, worker_kwargs={"memory_limit": "1 GiB"})
+@gen_cluster(client=True, config=SHARED_IN_PROCESS, worker_kwargs={"memory_limit": "1 GiB"})
 async def test_get_data_shows_the_signature_of_the_handler_it_wraps(c, s, a, b):
     assert a.data.shared
     wrapper = a.handlers["get_data"]
@@ -47,7 +49,7 @@ async def test_get_data_shows_the_signature_of_the_handler_it_wraps(c, s, a, b):
 @pytest.mark.parametrize("direct", [True, False])
 @gen_cluster(
     client=True,
-    config=SHARED_BY_CONFIG,
+    config=SHARED_IN_PROCESS,
     worker_kwargs={"memory_limit": "1 GiB"},
     client_kwargs={"serializers": ["dask", "msgpack"]},
 )
@@ -67,7 +69,7 @@ async def test_a_client_that_refuses_pickle_gets_no_pickle(c, s, a, b, direct):
 @gen_cluster(
     client=True,
     # The AMM would drop a's replica of x once b has one: a's file with it.
-    config={**SHARED_BY_CONFIG, "distributed.scheduler.active-memory-manager.start": False},
+    config={**SHARED_IN_PROCESS, "distributed.scheduler.active-memory-manager.start": False},
     worker_kwargs={"memory_limit": "1 GiB"},
 )
 async def test_the_preload_lists_no_plugin_and_still_tears_down_on_close(c, s, a, b):
@@ -93,7 +95,7 @@ async def test_nannies_list_no_plugin(c, s, a, b):
     assert list((await c.run(_shared_mode)).values()) == [(True, []), (True, [])]
 
 
-@gen_cluster(client=True, config=SHARED_BY_CONFIG, worker_kwargs={"memory_limit": "1 GiB"})
+@gen_cluster(client=True, config=SHARED_IN_PROCESS, worker_kwargs={"memory_limit": "1 GiB"})
 async def test_register_plugin_on_a_preloaded_worker_is_listed_and_changes_nothing(c, s, a, b):
     buffer = a.data
     await c.register_plugin(SharedMemoryPlugin())
@@ -107,7 +109,12 @@ async def test_register_plugin_on_a_preloaded_worker_is_listed_and_changes_nothi
     assert not os.path.exists(directory)
 
 
-@gen_cluster(client=True, nthreads=[("", 1)], worker_kwargs={"memory_limit": "1 GiB"})
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    config=IN_PROCESS_NO_PAUSE,
+    worker_kwargs={"memory_limit": "1 GiB"},
+)
 async def test_register_plugin_without_the_preload_is_listed_and_torn_down(c, s, a):
     await c.register_plugin(SharedMemoryPlugin())
     assert PLUGIN_NAME in a.plugins and a.data.shared

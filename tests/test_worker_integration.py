@@ -84,7 +84,12 @@ async def test_worker_reports_our_spilled_totals(c, s, a):
     assert a.data.cumulative_metrics["disk-write", "count"] > 0
 
 
-@gen_cluster(client=True, nthreads=[("", 1), ("", 1)], worker_kwargs={"memory_limit": "1 GiB"})
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1), ("", 1)],
+    config=NO_MONITOR_KILL,  # in-process: the monitor would read the whole test process
+    worker_kwargs={"memory_limit": "1 GiB"},
+)
 async def test_plugin_swaps_buffers_of_running_workers_keeping_their_data(c, s, a, b):
     futures = c.map(lambda i: np.full(1_000, i), range(20))
     await wait(futures)
