@@ -5,11 +5,14 @@ schema accepts; unknown keys get the closest known key."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 
 import dask
+import numpy as np
 import pytest
 
 from dask_shm.config import (
+    SCHEMA,
     SharedMemorySettings,
     accepted,
     closest_known_key,
@@ -80,6 +83,39 @@ def test_every_shipped_default_passes_its_schema() -> None:
     assert len(leaves) == 24
     for key in leaves:
         setting(key)
+
+
+def test_setting_refuses_what_jsonschema_refuses_and_nothing_else() -> None:
+    """The validator (fastjsonschema, light enough for every worker) gives the
+    reference implementation's verdict on every key for values of every type;
+    real numbers of other types (numpy's, Fraction) are read as the int or
+    float they hold."""
+    jsonschema = pytest.importorskip("jsonschema")
+    values = [True, False, None, 0, 1, -1, 2, 0.5, 1.0, 2.0, -0.5, 1e30, 10**20]
+    values += [float("nan"), float("inf"), -float("inf"), "", "1 GiB", "auto", "1s", "x"]
+    values += [[], [1], {}, {"a": 1}, b"x", (1,), object(), 1j]
+    values += [np.int64(3), np.int64(-1), np.float64(0.5), np.bool_(True), Fraction(1, 2)]
+    leaves = [k for k in known_keys() if not any(o.startswith(k + ".") for o in known_keys())]
+    checked = 0
+    for key in leaves:
+        node = SCHEMA
+        for part in key.split("."):
+            node = node["properties"][part]
+        reference = jsonschema.Draft202012Validator(node)
+        for value in values + list(node.get("enum", [])):
+            with dask.config.set({key: value}):
+                try:
+                    setting(key)
+                    refused = False
+                except ValueError:
+                    refused = True
+            plain = float(value) if isinstance(value, (np.floating, Fraction)) else value
+            plain = int(plain) if isinstance(plain, np.integer) else plain
+            # JSON has no complex numbers; jsonschema calls 1j a number.
+            valid = not isinstance(plain, complex) and reference.is_valid(plain)
+            assert refused == (not valid), (key, value)
+            checked += 1
+    assert checked > 500
 
 
 def test_born_shared_accepts_its_three_values() -> None:

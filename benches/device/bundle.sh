@@ -4,7 +4,7 @@
 # network and its python3 (3.12) has numpy, pandas, pyarrow, psutil, pytest,
 # pytest-benchmark, pyyaml, msgpack, cloudpickle, toolz and fsspec, but not
 # dask, distributed, zict, tornado, tblib, partd, locket, our config schema's
-# validator (jsonschema and its own dependencies), pytest-timeout, flox and
+# validator (fastjsonschema), pytest-timeout, flox and
 # numpy_groupies (the xarray workloads; xarray is carried too, so that its
 # version is one with xarray.groupers.TimeResampler) or our wheel.
 #
@@ -20,7 +20,7 @@ mkdir -p .devbundle/whl
 # The versions CI tests (pyproject.toml's upper bounds).
 PACKAGES=(
     dask==2026.8.0 distributed==2026.8.0 zict==3.0.0 tornado tblib partd locket
-    jsonschema jsonschema-specifications referencing rpds-py attrs typing_extensions
+    fastjsonschema typing_extensions
     pytest-timeout importlib_metadata zipp lazy-importer
     xarray flox numpy_groupies
 )
