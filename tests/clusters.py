@@ -20,17 +20,21 @@ IN_PROCESS_NO_PAUSE = {"distributed.worker.memory.pause": False}
 
 @contextlib.contextmanager
 def process_cluster(
-    n_workers: int, memory_limit: str | int, config: dict | None = None, **cluster_kwargs: Any
+    n_workers: int,
+    memory_limit: str | int,
+    config: dict | None = None,
+    threads_per_worker: int = 1,
+    **cluster_kwargs: Any,
 ) -> Iterator[Client]:
-    """A client of a LocalCluster of ``n_workers`` worker processes (one
-    thread each, no dashboard) with ``memory_limit`` each, under ``config``
-    with the Active Memory Manager off (it would drop the replicas tests
-    count); extra keyword arguments go to LocalCluster."""
+    """A client of a LocalCluster of ``n_workers`` worker processes
+    (``threads_per_worker`` threads each, no dashboard) with ``memory_limit``
+    each, under ``config`` with the Active Memory Manager off (it would drop
+    the replicas tests count); extra keyword arguments go to LocalCluster."""
     with (
         dask.config.set({**NO_AMM, **(config or {})}),
         LocalCluster(
             n_workers=n_workers,
-            threads_per_worker=1,
+            threads_per_worker=threads_per_worker,
             processes=True,
             memory_limit=memory_limit,
             dashboard_address=":0",

@@ -1,8 +1,9 @@
 """The real workloads of benches/bench_workloads.py (tests/workloads.py), small,
 give the same results in shared mode as in stock, with and without arrays born
-shared; a task that mutates its input in place changes what other tasks and
-workers see exactly as it does in stock. Real LocalClusters of worker
-processes; shared mode switched on by config, as a user does."""
+shared, and on workers of one task thread or several; a task that mutates
+its input in place changes what other tasks and workers see exactly as it
+does in stock. Real LocalClusters of worker processes; shared mode switched
+on by config, as a user does."""
 
 from __future__ import annotations
 
@@ -37,13 +38,21 @@ MODES = {
     "stock": LOW_SPILL,
     "shared": {**LOW_SPILL, **SHARED, "shm.shared-memory.born-shared": False},
     "shared-born": {**LOW_SPILL, **SHARED, "shm.shared-memory.born-shared": True},
+    # LocalCluster's default on a many-core host: several task threads per
+    # worker storing, spilling, exporting and reading values at once
+    "shared-threads": {**LOW_SPILL, **SHARED, "shm.shared-memory.born-shared": False},
 }
+THREADS = {"shared-threads": 4}
 
 
 @pytest.fixture(scope="module", params=list(MODES))
 def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[str, Client]]:
     with process_cluster(
-        2, f"{WORKER_MEMORY}B", MODES[request.param], silence_logs=logging.ERROR
+        2,
+        f"{WORKER_MEMORY}B",
+        MODES[request.param],
+        threads_per_worker=THREADS.get(request.param, 1),
+        silence_logs=logging.ERROR,
     ) as client:
         yield request.param, client
 
@@ -57,7 +66,10 @@ def unpressed_cluster(request: pytest.FixtureRequest) -> Iterator[tuple[str, Cli
     :func:`mutation_scenario`, shared mode with born arrays in 4 of 300;
     unpressed, neither in 300."""
     config = {k: v for k, v in MODES[request.param].items() if k not in LOW_SPILL}
-    with process_cluster(2, "1 GiB", config, silence_logs=logging.ERROR) as client:
+    threads = THREADS.get(request.param, 1)
+    with process_cluster(
+        2, "1 GiB", config, threads_per_worker=threads, silence_logs=logging.ERROR
+    ) as client:
         yield request.param, client
 
 
@@ -85,6 +97,7 @@ SPILL_ORDER_DEPENDENT = {"spilling": spilling}
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_same_result_as_stock(cluster: tuple[str, Client], name: str) -> None:
     mode, client = cluster
+    assert set(client.nthreads().values()) == {THREADS.get(mode, 1)}
     value = WORKLOADS[name](client, MEMORY, SCALE)
     if name in SPILL_ORDER_DEPENDENT:
         unspilled = unspilled_result(name)
