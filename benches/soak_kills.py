@@ -8,7 +8,7 @@ a random worker at a random moment. Each result is compared with the
 synchronous scheduler's. After the cluster closes nothing may be left in
 the shared-memory root but its identity token (``root-id``).
 
-    python benches/soak_kills.py --minutes 10 [--mode stock] [--seed 1]
+    python benches/soak_kills.py --minutes 10 [--mode stock] [--seed 1] [--threads 1]
 
 Prints one JSON line per run, then a summary; exits 1 if a result differed
 or files were left. Computations that failed are listed but do not fail the
@@ -149,7 +149,7 @@ def worker_pids(client: Client) -> list[int]:
     return [p for p in pids.values() if isinstance(p, int)]
 
 
-def soak(mode: str, root: str, seconds: float, seed: int) -> dict[str, Any]:
+def soak(mode: str, root: str, seconds: float, seed: int, threads: int = 1) -> dict[str, Any]:
     rng = random.Random(seed)
     config: dict[str, Any] = {
         "distributed.scheduler.allowed-failures": 10,
@@ -170,7 +170,7 @@ def soak(mode: str, root: str, seconds: float, seed: int) -> dict[str, Any]:
         dask.config.set(config),
         LocalCluster(
             n_workers=WORKERS,
-            threads_per_worker=1,
+            threads_per_worker=threads,
             memory_limit="600 MiB",
             dashboard_address=":0",
         ) as cluster,
@@ -224,15 +224,20 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--mode", choices=["shared", "stock"], default="shared")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="task threads per worker")
     parser.add_argument("--root", help="a tmpfs directory (default: a new one on /dev/shm)")
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="dask-shm-soak-", dir="/dev/shm")
     try:
-        summary = soak(args.mode, root, args.minutes * 60, args.seed)
+        summary = soak(args.mode, root, args.minutes * 60, args.seed, args.threads)
     finally:
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps({"mode": args.mode, "seed": args.seed, **summary}, default=str))
+    print(
+        json.dumps(
+            {"mode": args.mode, "seed": args.seed, "threads": args.threads, **summary}, default=str
+        )
+    )
     return 1 if summary["differed"] or summary["left"] else 0
 
 
