@@ -25,6 +25,8 @@ from dask_shm.shared.born_worker import BornSettings
 from dask_shm.spans.prometheus import retention
 
 shared = SharedMemorySettings.from_config
+#: every key that holds a value (sections such as ``shm.shared-memory`` left out)
+LEAF_KEYS = [k for k in known_keys() if not any(o.startswith(k + ".") for o in known_keys())]
 
 
 @pytest.mark.parametrize(
@@ -79,9 +81,8 @@ def test_good_values_are_read(key: str, value: object, expected: object) -> None
 
 
 def test_every_shipped_default_passes_its_schema() -> None:
-    leaves = [k for k in known_keys() if not any(o.startswith(k + ".") for o in known_keys())]
-    assert len(leaves) == 24
-    for key in leaves:
+    assert len(LEAF_KEYS) == 24
+    for key in LEAF_KEYS:
         setting(key)
 
 
@@ -95,9 +96,8 @@ def test_setting_refuses_what_jsonschema_refuses_and_nothing_else() -> None:
     values += [float("nan"), float("inf"), -float("inf"), "", "1 GiB", "auto", "1s", "x"]
     values += [[], [1], {}, {"a": 1}, b"x", (1,), object(), 1j]
     values += [np.int64(3), np.int64(-1), np.float64(0.5), np.bool_(True), Fraction(1, 2)]
-    leaves = [k for k in known_keys() if not any(o.startswith(k + ".") for o in known_keys())]
     checked = 0
-    for key in leaves:
+    for key in LEAF_KEYS:
         node = SCHEMA
         for part in key.split("."):
             node = node["properties"][part]
