@@ -169,6 +169,19 @@ def nanny_kill_after_teardown() -> bool:
     return callable(getattr(Nanny, "kill", None)) and _code_mentions(Nanny.close, "kill")
 
 
+def worker_status_change_handler() -> bool:
+    """Whether ``Worker.__init__`` registers ``handle_worker_status_change`` as
+    the ``"worker-status-change"`` stream handler, and ``Worker.close`` stops
+    at a worker already closing (what :mod:`dask_shm.status_guard` keeps so)."""
+    from distributed.worker import Worker
+
+    return (
+        callable(getattr(Worker, "handle_worker_status_change", None))
+        and _code_mentions(Worker.__init__, "worker-status-change")
+        and _code_mentions(Worker.close, "closing")
+    )
+
+
 def _shuffle_run_methods() -> bool:
     from distributed.shuffle._core import ShuffleRun
     from distributed.shuffle._memory import MemoryShardsBuffer  # noqa: F401
@@ -256,6 +269,12 @@ HOOKS: tuple[Hook, ...] = (
         "distributed.nanny.Nanny.instantiate (called after the preloads)",
         "an invalid shm.* value stopping an in-process nanny from starting",
         nanny_instantiate_hook,
+    ),
+    Hook(
+        'distributed.worker.Worker.stream_handlers["worker-status-change"]',
+        "shared-memory mode: a closing worker ignoring the scheduler's status changes "
+        "(else it may close twice and wait 30 s for its threads)",
+        worker_status_change_handler,
     ),
     Hook(
         "distributed.nanny.Nanny.kill (awaited by Nanny.close after its plugins' teardown)",

@@ -15,6 +15,7 @@ from dask.utils import format_bytes
 from distributed.core import Status
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
+from dask_shm import status_guard
 from dask_shm.config import SharedMemorySettings, spill_compression
 from dask_shm.shared import (
     born_worker,
@@ -86,6 +87,8 @@ class SharedMemoryPlugin(WorkerPlugin):
     async def setup(self, worker: Worker) -> None:
         if isinstance(worker.data, SharedSpillBuffer):
             return
+        # Our teardown runs inside Worker.close; keep that close the only one.
+        status_guard.install(worker)
         settings = SharedMemorySettings.from_config()
         born_settings = born_worker.BornSettings.from_config()
         root = self.root or settings.root

@@ -1,0 +1,107 @@
+"""A worker in shared-memory mode that has begun closing stays closing: a
+status change the scheduler sent before (``running``, after a refused
+``retire_workers``) no longer reopens it, so it closes once.
+
+In stock distributed such a worker goes back to ``running``, closes a second
+time when its scheduler connection breaks, and the two closes together make
+one of them wait 30 s for its threads (distributed's
+test_RetireWorker_with_actor[True]: 1 stall in 20 runs in stock, 5 in 20 in
+shared mode before the guard)."""
+
+from __future__ import annotations
+
+import logging
+
+import dask
+import pytest
+from distributed import Client, Scheduler, Worker, wait
+from distributed.core import Status
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, gen_test
+
+from dask_shm import status_guard
+from tests.clusters import IN_PROCESS_NO_PAUSE, NO_AMM
+
+SHARED = {
+    "distributed.worker.preload": ["dask_shm"],
+    "shm.shared-memory.enabled": True,
+    **IN_PROCESS_NO_PAUSE,
+}
+
+
+#: (status before, status after) per teardown of the plugin below; the
+#: worker gets a copy of the plugin, which runs in this process.
+SEEN: list[tuple[Status, Status]] = []
+
+
+class StatusChangeWhileClosing(WorkerPlugin):
+    """At teardown, which runs inside ``Worker.close``: deliver the scheduler's
+    ``running`` as its stream would, and note the status before and after."""
+
+    name = "status-change-while-closing"
+
+    def teardown(self, worker: Worker) -> None:
+        before = worker.status
+        worker.stream_handlers["worker-status-change"](status="running", stimulus_id="test")
+        SEEN.append((before, worker.status))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["stock", "shared"])
+def test_a_status_change_during_close_reopens_only_stock_workers(shared):
+    SEEN.clear()
+
+    @gen_cluster(client=True, nthreads=[("", 1)], config=SHARED if shared else {})
+    async def run(c, s, a):
+        assert bool(getattr(a.data, "shared", False)) is shared
+        await c.register_plugin(StatusChangeWhileClosing())
+
+    run()
+    if shared:
+        assert SEEN == [(Status.closing, Status.closing)]
+    else:  # distributed's behaviour the guard exists for
+        assert SEEN == [(Status.closing, Status.running)]
+
+
+@gen_cluster(client=True, nthreads=[("", 1)], config=SHARED)
+async def test_the_guard_is_installed_once(c, s, a):
+    guard = a.stream_handlers[status_guard.HANDLER]
+    assert getattr(guard, "_dask_shm_guard", False)
+    assert status_guard.install(a)
+    assert a.stream_handlers[status_guard.HANDLER] is guard
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def increment(self) -> int:
+        self.n += 1
+        return self.n
+
+
+@gen_test(timeout=120)
+async def test_workers_close_once_after_a_refused_retirement():
+    """distributed's test_RetireWorker_with_actor[True], then the close it
+    ends with, eight times: each worker logs its close once."""
+    for _ in range(8):
+        with (
+            captured_logger("distributed.worker", level=logging.INFO) as log,
+            dask.config.set({**SHARED, **NO_AMM}),
+        ):
+            async with (
+                Scheduler(dashboard_address=":0") as s,
+                Worker(s.address, nthreads=1, memory_limit="1 GiB") as a,
+                Worker(s.address, nthreads=1, memory_limit="1 GiB") as b,
+                Client(s.address, asynchronous=True) as c,
+            ):
+                assert a.data.shared and b.data.shared
+                x = c.submit(Counter, key="x", actor=True, workers=[a.address])
+                await wait(x)
+                y = c.submit(lambda cnt: cnt.increment().result(), x, key="y", workers=[b.address])
+                assert await y == 1
+                assert not await c.retire_workers([a.address])
+                # A running worker still takes the scheduler's status changes.
+                await async_poll_for(lambda: a.status == Status.running, timeout=5)
+                addresses = (a.address, b.address)
+        closes = [line for line in log.getvalue().splitlines() if "Stopping worker at" in line]
+        assert [sum(addr in line for line in closes) for addr in addresses] == [1, 1], closes
