@@ -17,7 +17,7 @@ import pytest
 from distributed import Client, Scheduler, Worker, wait
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
-from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, gen_test
+from distributed.utils_test import captured_logger, gen_cluster, gen_test
 
 from dask_shm import status_guard
 from tests.clusters import IN_PROCESS_NO_PAUSE, NO_AMM
@@ -63,11 +63,15 @@ def test_a_status_change_during_close_reopens_only_stock_workers(shared):
 
 
 @gen_cluster(client=True, nthreads=[("", 1)], config=SHARED)
-async def test_the_guard_is_installed_once(c, s, a):
+async def test_a_running_worker_takes_status_changes_through_the_guard_installed_once(c, s, a):
     guard = a.stream_handlers[status_guard.HANDLER]
     assert getattr(guard, "_dask_shm_guard", False)
     assert status_guard.install(a)
     assert a.stream_handlers[status_guard.HANDLER] is guard
+    guard(status="paused", stimulus_id="test-pause")
+    assert a.status == Status.paused
+    guard(status="running", stimulus_id="test-unpause")
+    assert a.status == Status.running
 
 
 class Counter:
@@ -100,8 +104,6 @@ async def test_workers_close_once_after_a_refused_retirement():
                 y = c.submit(lambda cnt: cnt.increment().result(), x, key="y", workers=[b.address])
                 assert await y == 1
                 assert not await c.retire_workers([a.address])
-                # A running worker still takes the scheduler's status changes.
-                await async_poll_for(lambda: a.status == Status.running, timeout=5)
                 addresses = (a.address, b.address)
         closes = [line for line in log.getvalue().splitlines() if "Stopping worker at" in line]
         assert [sum(addr in line for line in closes) for addr in addresses] == [1, 1], closes
