@@ -1,12 +1,11 @@
-"""A worker in shared-memory mode that has begun closing stays closing: a
-status change the scheduler sent before (``running``, after a refused
-``retire_workers``) no longer reopens it, so it closes once.
+"""A worker with dask_shm preloaded (shared-memory mode or not) that has
+begun closing stays closing: a status change the scheduler sent before
+(``running``, after a refused ``retire_workers``) no longer reopens it, so it
+closes once.
 
 In stock distributed such a worker goes back to ``running``, closes a second
 time when its scheduler connection breaks, and the two closes together make
-one of them wait 30 s for its threads (distributed's
-test_RetireWorker_with_actor[True]: 1 stall in 20 runs in stock, 5 in 20 in
-shared mode before the guard)."""
+one of them wait 30 s for its threads (see :mod:`dask_shm.status_guard`)."""
 
 from __future__ import annotations
 
@@ -22,11 +21,8 @@ from distributed.utils_test import captured_logger, gen_cluster, gen_test
 from dask_shm import status_guard
 from tests.clusters import IN_PROCESS_NO_PAUSE, NO_AMM
 
-SHARED = {
-    "distributed.worker.preload": ["dask_shm"],
-    "shm.shared-memory.enabled": True,
-    **IN_PROCESS_NO_PAUSE,
-}
+PRELOADED = {"distributed.worker.preload": ["dask_shm"], **IN_PROCESS_NO_PAUSE}
+SHARED = {**PRELOADED, "shm.shared-memory.enabled": True}
 
 
 #: (status before, status after) per teardown of the plugin below; the
@@ -46,20 +42,21 @@ class StatusChangeWhileClosing(WorkerPlugin):
         SEEN.append((before, worker.status))
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["stock", "shared"])
-def test_a_status_change_during_close_reopens_only_stock_workers(shared):
+@pytest.mark.parametrize("mode", ["stock", "preloaded", "shared"])
+def test_a_status_change_during_close_reopens_only_stock_workers(mode):
     SEEN.clear()
+    config = {"stock": {}, "preloaded": PRELOADED, "shared": SHARED}[mode]
 
-    @gen_cluster(client=True, nthreads=[("", 1)], config=SHARED if shared else {})
+    @gen_cluster(client=True, nthreads=[("", 1)], config=config)
     async def run(c, s, a):
-        assert bool(getattr(a.data, "shared", False)) is shared
+        assert bool(getattr(a.data, "shared", False)) is (mode == "shared")
         await c.register_plugin(StatusChangeWhileClosing())
 
     run()
-    if shared:
-        assert SEEN == [(Status.closing, Status.closing)]
-    else:  # distributed's behaviour the guard exists for
+    if mode == "stock":  # distributed's behaviour the guard exists for
         assert SEEN == [(Status.closing, Status.running)]
+    else:
+        assert SEEN == [(Status.closing, Status.closing)]
 
 
 @gen_cluster(client=True, nthreads=[("", 1)], config=SHARED)

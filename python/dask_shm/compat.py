@@ -272,8 +272,8 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         'distributed.worker.Worker.stream_handlers["worker-status-change"]',
-        "shared-memory mode: a closing worker ignoring the scheduler's status changes "
-        "(else it may close twice and wait 30 s for its threads)",
+        "a closing worker (dask_shm preloaded, or in shared-memory mode) ignoring the "
+        "scheduler's status changes (else it may close twice and wait 30 s for its threads)",
         worker_status_change_handler,
     ),
     Hook(

@@ -14,6 +14,9 @@ installed follows the ``shm.*`` config (see ``dask-shm.yaml``):
   span extension (``shm.spans``);
 - nanny: with ``shm.shared-memory.enabled``, :class:`dask_shm.SharedMemoryNannyPlugin`.
 
+Every worker also gets :mod:`dask_shm.status_guard`: once closing, it ignores
+the scheduler's status changes, so that it closes once.
+
 A worker also logs a warning for each ``shm.*`` key that dask-shm does not
 know (a typo), naming the closest key it knows (:func:`warn_unknown_keys`).
 
@@ -127,6 +130,10 @@ async def _setup(server: Any) -> None:
 
             await _add_plugin(server, SharedMemoryNannyPlugin())
         return
+    from dask_shm import status_guard
+
+    # Our teardowns run inside Worker.close; keep that close the only one.
+    status_guard.install(server)
     switches = {name: enabled(name) for name in ("spill-buffer", "spans")}
     if shared and _has_stock_spill_buffer(server):
         from dask_shm.shared import SharedMemoryPlugin

@@ -9,10 +9,12 @@ while the worker closes, ``Worker.close`` runs a second time, and the two
 closes shut the same thread pools down at once: the second clears the stop
 sentinel the first had queued, so the first waits its whole timeout (30 s)
 for threads that never see it, and a test or cluster teardown with a shorter
-deadline fails. distributed's own ``test_RetireWorker_with_actor[True]``
-stalled so in 1 of 20 runs in stock and 5 of 20 in shared-memory mode, whose
-teardown (files removed, hooks undone: a few milliseconds inside the close)
-widens the window.
+deadline fails. distributed's own ``test_RetireWorker_with_actor`` stalled so
+here in 1 of 40 runs in stock, 3 of 40 with ``dask_shm`` preloaded and 1 to
+5 of 40 per series in shared-memory mode (more under load; our teardown adds
+a few milliseconds inside the close, which widens the window); with the
+guard, in none of 80. The preload installs it on every worker, and
+:class:`~dask_shm.shared.SharedMemoryPlugin` on the workers it sets up.
 
 :func:`install` replaces the worker's ``worker-status-change`` stream
 handler (see :func:`dask_shm.compat.worker_status_change_handler`) with one
