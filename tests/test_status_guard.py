@@ -13,13 +13,13 @@ import logging
 
 import dask
 import pytest
+from clusters import IN_PROCESS_NO_PAUSE, NO_AMM
 from distributed import Client, Scheduler, Worker, wait
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils_test import captured_logger, gen_cluster, gen_test
 
 from dask_shm import status_guard
-from tests.clusters import IN_PROCESS_NO_PAUSE, NO_AMM
 
 PRELOADED = {"distributed.worker.preload": ["dask_shm"], **IN_PROCESS_NO_PAUSE}
 SHARED = {**PRELOADED, "shm.shared-memory.enabled": True}
