@@ -46,10 +46,10 @@ def install(worker: Worker) -> bool:
     from dask_shm.compat import worker_status_change_handler
 
     original = worker.stream_handlers.get(HANDLER)
-    if original is None or not worker_status_change_handler():
-        return False
     if getattr(original, "_dask_shm_guard", False):
         return True
+    if original is None or not worker_status_change_handler():
+        return False
     ended = (Status.closing, Status.closed, Status.failed)
 
     def handle_worker_status_change(*args: Any, **kwargs: Any) -> None:
