@@ -7,6 +7,8 @@ Real spawn pools and real files under /dev/shm.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.queues
 import os
 import shutil
 import signal
@@ -468,6 +470,98 @@ def test_the_warm_pool_is_shut_down_at_exit(tmp_path: Path) -> None:
         assert list(base.iterdir()) == []  # the kept directory went at exit
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+EXITS_SCRIPT = """
+import multiprocessing, os, sys
+import dask
+import numpy as np
+from dask_shm.local import get
+from dask_shm.local.pool import warm_pool_pids
+
+def total_in_pool(n):
+    # A computation on a warm pool of this process's own.
+    dsk = {"x": (np.ones, n), "y": (np.sum, "x")}
+    return int(get(dsk, "y", num_workers=2)), warm_pool_pids()
+
+def in_child(base, queue):
+    dask.config.set({"shm.local.shm-directory": base})
+    queue.put(total_in_pool(10**6))
+
+if __name__ == "__main__":
+    how, base = sys.argv[1], sys.argv[2]
+    dask.config.set({"shm.local.shm-directory": base})
+    if how == "process":
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        child = ctx.Process(target=in_child, args=(base, queue))
+        child.start()
+        result, pids = queue.get(timeout=60)
+        child.join(timeout=30)
+        print("exitcode", child.exitcode)
+    else:  # a task of dask_shm.get that calls dask_shm.get
+        result, pids = get({"r": (total_in_pool, 10**6)}, "r", num_workers=1)
+    print("result", result)
+    print("pids", *pids, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["process", "task"])
+def test_a_warm_pool_made_in_a_child_process_lets_it_exit(how: str, tmp_path: Path) -> None:
+    """A multiprocessing child runs no atexit handlers and joins its own
+    processes before concurrent.futures stops them: a warm pool left there
+    would keep the child, and its parent's exit, waiting for ever. Both a
+    user's Process and a task of dask_shm.get (nested computations, as
+    ``scheduler="processes"`` allows) exit, their pool processes with them,
+    and leave no files."""
+    script = tmp_path / "child.py"
+    script.write_text(EXITS_SCRIPT)
+    base = Path("/dev/shm") / f"dask-shm-child-exit-{os.getpid()}"
+    base.mkdir(mode=0o700)
+    try:
+        out = subprocess.run(
+            [sys.executable, str(script), how, str(base)],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "result 1000000" in out.stdout, out.stdout
+        if how == "process":
+            assert "exitcode 0" in out.stdout, out.stdout
+        pids = {int(p) for p in out.stdout.split("pids")[1].split()}
+        assert len(pids) == 2
+        wait_gone(pids)
+        assert list(base.iterdir()) == []
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_forked_child_starts_its_own_pool_and_leaves_the_parents(shm_base: Path) -> None:
+    """After fork the warm pool, its processes and its kept files are the
+    parent's: the child computes on a pool of its own and exits without
+    stopping the parent's, which serves the next computation."""
+    parent_pids = pids_used(4)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+        child = ctx.Process(target=child_computation, args=(results,))
+        child.start()
+    total_in_child, child_pool = results.get(timeout=60)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert total_in_child == BIG
+    assert child_pool and not set(child_pool) & parent_pids
+    wait_gone(set(child_pool))
+    assert pids_used(4) == parent_pids
+    assert set(warm_pool_pids()) == parent_pids
+
+
+def child_computation(results: multiprocessing.queues.Queue[tuple[float, list[int]]]) -> None:
+    """In a forked child: a computation on the warm pool, left for exit to stop."""
+    dsk = {"x": (np.ones, BIG), "y": (np.sum, "x")}
+    results.put((float(get(dsk, "y", num_workers=2)), warm_pool_pids()))
 
 
 def thread_variables(x: object) -> list[str | None]:

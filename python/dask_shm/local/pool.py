@@ -36,7 +36,7 @@ do the same for their worker processes; ``scheduler="processes"`` does not.
 
 from __future__ import annotations
 
-import atexit
+import multiprocessing.util
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -185,6 +185,9 @@ class Lease:
 
 class _WarmPool:
     def __init__(self) -> None:
+        self._start_afresh()
+
+    def _start_afresh(self) -> None:
         self.lock = threading.Lock()  # held by the computation using the pool
         self.guard = threading.Lock()  # protects the fields below
         self.pool: ProcessPoolExecutor | None = None
@@ -192,6 +195,25 @@ class _WarmPool:
         #: The last computation's directory and the files kept in it for reuse.
         self.parked: tuple[ShmDirectory, dict[str, int]] | None = None
         self.timer: threading.Timer | None = None
+        #: The process that has registered :meth:`_shut_down_at_exit`'s hook.
+        self.exit_hook_pid: int | None = None
+
+    def _shut_down_at_exit(self) -> None:
+        """Have this process shut the pool down when it exits, the main process
+        or a multiprocessing child (a task of dask_shm.get or of the processes
+        scheduler, a distributed worker, a user's Process).
+
+        A child leaves by ``os._exit``, so atexit handlers do not run in it, and
+        multiprocessing joins the child's own processes (the pool's) before
+        concurrent.futures' exit hook would stop them: without this the child,
+        and a parent waiting for it, would never exit. multiprocessing's exit
+        finalizers run in both; they are registered per process because a
+        forked child starts with none. Priority 20 runs this one before
+        multiprocessing closes the pool's queues (priority 10).
+        """
+        if self.exit_hook_pid != os.getpid():
+            multiprocessing.util.Finalize(None, self.shutdown, exitpriority=20)
+            self.exit_hook_pid = os.getpid()
 
     def _unpark(self) -> tuple[ShmDirectory, dict[str, int]] | None:
         """Take the parked directory, if any (caller holds ``guard``)."""
@@ -270,6 +292,7 @@ class _WarmPool:
                 yield lease
             return
         try:
+            self._shut_down_at_exit()
             key = _key(num_workers, initializer)
             timeout = idle_file_timeout
             pool, parked = self._take(key)
@@ -319,6 +342,12 @@ class _WarmPool:
         if parked is not None:
             parked[0].close()
 
+    def forget(self) -> None:
+        """In a child made by fork: the pool, its processes and the parked
+        directory are the parent's, and the locks may have been held by a thread
+        that does not exist here. Start without a pool, touching none of them."""
+        self._start_afresh()
+
     def processes(self) -> list[int]:
         with self.guard:
             pool = self.pool
@@ -344,7 +373,7 @@ def private_pool(num_workers: int, initializer: Callable[[], None] | None) -> It
 
 
 _WARM = _WarmPool()
-atexit.register(_WARM.shutdown)
+os.register_at_fork(after_in_child=_WARM.forget)
 
 warm_pool = _WARM.use
 
