@@ -201,7 +201,7 @@ class _WarmPool:
     def _shut_down_at_exit(self) -> None:
         """Have this process shut the pool down when it exits, the main process
         or a multiprocessing child (a task of dask_shm.get or of the processes
-        scheduler, a distributed worker, a user's Process).
+        scheduler, a user's Process, a distributed worker that is not daemonic).
 
         A child leaves by ``os._exit``, so atexit handlers do not run in it, and
         multiprocessing joins the child's own processes (the pool's) before
