@@ -437,7 +437,7 @@ def test_pool_processes_import_only_the_transport(tmp_path: Path) -> None:
     assert "parent: []" in out.stdout, out.stdout
 
 
-def test_the_warm_pool_is_shut_down_at_exit(tmp_path: Path) -> None:
+def test_the_warm_pool_is_shut_down_at_exit(tmp_path: Path, shm_base: Path) -> None:
     script = tmp_path / "exit.py"
     script.write_text(
         textwrap.dedent(
@@ -457,19 +457,14 @@ def test_the_warm_pool_is_shut_down_at_exit(tmp_path: Path) -> None:
             """
         )
     )
-    base = Path("/dev/shm") / f"dask-shm-exit-test-{os.getpid()}"
-    base.mkdir(mode=0o700)
-    try:
-        out = subprocess.run(
-            [sys.executable, str(script), str(base)], capture_output=True, text=True, timeout=120
-        )
-        assert out.returncode == 0, out.stderr
-        pids = {int(p) for p in out.stdout.split()}
-        assert len(pids) >= 1
-        wait_gone(pids)
-        assert list(base.iterdir()) == []  # the kept directory went at exit
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    out = subprocess.run(
+        [sys.executable, str(script), str(shm_base)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    pids = {int(p) for p in out.stdout.split()}
+    assert len(pids) >= 1
+    wait_gone(pids)
+    assert list(shm_base.iterdir()) == []  # the kept directory went at exit
 
 
 EXITS_SCRIPT = """
@@ -507,7 +502,9 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("how", ["process", "task"])
-def test_a_warm_pool_made_in_a_child_process_lets_it_exit(how: str, tmp_path: Path) -> None:
+def test_a_warm_pool_made_in_a_child_process_lets_it_exit(
+    how: str, tmp_path: Path, shm_base: Path
+) -> None:
     """A multiprocessing child runs no atexit handlers and joins its own
     processes before concurrent.futures stops them: a warm pool left there
     would keep the child, and its parent's exit, waiting for ever. Both a
@@ -516,25 +513,20 @@ def test_a_warm_pool_made_in_a_child_process_lets_it_exit(how: str, tmp_path: Pa
     and leave no files."""
     script = tmp_path / "child.py"
     script.write_text(EXITS_SCRIPT)
-    base = Path("/dev/shm") / f"dask-shm-child-exit-{os.getpid()}"
-    base.mkdir(mode=0o700)
-    try:
-        out = subprocess.run(
-            [sys.executable, str(script), how, str(base)],
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
-        assert out.returncode == 0, out.stderr
-        assert "result 1000000" in out.stdout, out.stdout
-        if how == "process":
-            assert "exitcode 0" in out.stdout, out.stdout
-        pids = {int(p) for p in out.stdout.split("pids")[1].split()}
-        assert len(pids) == 2
-        wait_gone(pids)
-        assert list(base.iterdir()) == []
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    out = subprocess.run(
+        [sys.executable, str(script), how, str(shm_base)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "result 1000000" in out.stdout, out.stdout
+    if how == "process":
+        assert "exitcode 0" in out.stdout, out.stdout
+    pids = {int(p) for p in out.stdout.split("pids")[1].split()}
+    assert len(pids) == 2
+    wait_gone(pids)
+    assert list(shm_base.iterdir()) == []
 
 
 def test_a_forked_child_starts_its_own_pool_and_leaves_the_parents(shm_base: Path) -> None:
