@@ -98,6 +98,7 @@ SPILL_ORDER_DEPENDENT = {"spilling": spilling}
 def test_same_result_as_stock(cluster: tuple[str, Client], name: str) -> None:
     mode, client = cluster
     assert set(client.nthreads().values()) == {THREADS.get(mode, 1)}
+    before = shm_totals(client) if mode != "stock" else {}
     value = WORKLOADS[name](client, MEMORY, SCALE)
     if name in SPILL_ORDER_DEPENDENT:
         unspilled = unspilled_result(name)
@@ -107,9 +108,27 @@ def test_same_result_as_stock(cluster: tuple[str, Client], name: str) -> None:
             assert value == unspilled, (mode, name, value, unspilled)
         return
     record(mode, name, value)
-    links = sum(m["link_transfers"] for m in client.run(shm_metrics).values())
-    if mode != "stock" and name == "double_diff":
-        assert links > 0, "the shifted slices of double_diff cross workers: by link here"
+    if mode == "stock":
+        return
+    moved = {k: v - before[k] for k, v in shm_totals(client).items()}
+    if name == "double_diff":
+        assert moved["link_transfers"] > 0, "double_diff's shifted slices cross workers"
+    if name in BY_P2P_FILE:
+        assert moved["p2p_file_batches"] > 0, moved
+        assert moved["p2p_file_fallbacks"] == 0, moved
+
+
+#: the P2P workloads, whose shards a same-host peer receives as files
+BY_P2P_FILE = {"rechunk_p2p", "shuffle_p2p", "merge_p2p", "set_index_p2p"}
+
+
+def shm_totals(client: Client) -> dict[str, float]:
+    """The workers' shared-memory counters (dask_shm.shared.shm_metrics), summed."""
+    totals: dict[str, float] = {}
+    for figures in client.run(shm_metrics).values():
+        for field, value in figures.items():
+            totals[field] = totals.get(field, 0) + value
+    return totals
 
 
 @functools.cache

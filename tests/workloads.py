@@ -21,6 +21,13 @@ compared (equal sums).
 - ``shuffle_p2p`` (test_dataframe.py ``test_shuffle``): a timeseries of 100
   float columns, half the memory in partitions of 1/64th of it, shuffled on
   a column with ``shuffle_method="p2p"``.
+- ``merge_p2p`` (test_join.py ``test_join_big``): two such timeseries of a
+  quarter of the memory each, inner-joined on an integer column of about as
+  many values as rows (each row matches about one: coiled's key, scaled by
+  1e9, matches almost none at these sizes), by P2P hash join.
+- ``set_index_p2p`` (test_join.py ``test_set_index``, not persisted): such
+  a timeseries of half the memory, ``set_index`` on a float column by P2P
+  (dask first reads the column once for the divisions).
 - ``spilling`` (test_spill.py, ``release``): an array of 1.79x the memory
   persisted (it spills), then its sum, the array released meanwhile; chunks
   of 1/256th of the cluster's memory (coiled's 128 MiB of 36 GiB: 4 MiB for
@@ -121,28 +128,74 @@ def rechunk_p2p(client: Client, memory: int, scale: float) -> float:
     return float(client.compute(total).result())
 
 
-def shuffle_p2p(client: Client, memory: int, scale: float) -> float:
+def _timeseries(nbytes: float, part_bytes: int, seed: int) -> Any:
+    """A timeseries of 100 float columns of about ``nbytes`` in partitions of
+    about ``part_bytes`` (one a day), as coiled's ``timeseries_of_size``."""
     from dask.datasets import timeseries
 
     dtypes = {str(i): float for i in range(100)}
-    # Partitions of 1/64th of the memory (coiled's: 55 MiB of 77 GiB, in
-    # workers of 8 GiB; theirs would stall workers of a few hundred MiB).
-    part_bytes = max(MIB, int(memory * scale / 64))
     rows_a_day = max(1, part_bytes // ((len(dtypes) + 1) * 8))
-    days = max(2, round(memory * scale / 2 / part_bytes))
-    df = timeseries(
+    days = max(2, round(nbytes / part_bytes))
+    return timeseries(
         start="2020-01-01",
         end=str(np.datetime64("2020-01-01") + np.timedelta64(days, "D")),
         freq=f"{86_400_000 // rows_a_day}ms",
         partition_freq="24h",
         dtypes=dtypes,
-        seed=6,
+        seed=seed,
     )
+
+
+def _part_bytes(memory: int, scale: float) -> int:
+    # Partitions of 1/64th of the memory (coiled's: 55 MiB of 77 GiB, in
+    # workers of 8 GiB; theirs would stall workers of a few hundred MiB).
+    return max(MIB, int(memory * scale / 64))
+
+
+def _order_free_total(df: Any) -> Any:
+    """Row order within partitions depends on arrival order: sum a column
+    whose float sum does not depend on it (rounded per row to an integer),
+    plus the frame's size."""
+    return (df["1"] * 2**20).round().sum() + df.size
+
+
+def shuffle_p2p(client: Client, memory: int, scale: float) -> float:
+    df = _timeseries(memory * scale / 2, _part_bytes(memory, scale), seed=6)
     shuffled = df.shuffle("0", shuffle_method="p2p").map_partitions(lambda x: x)
-    # Row order within partitions depends on arrival order: sum a column
-    # whose float sum does not depend on it (rounded per row to an integer).
-    total = (shuffled["1"] * 2**20).round().sum() + shuffled.size
-    return float(client.compute(total).result())
+    return float(client.compute(_order_free_total(shuffled)).result())
+
+
+def _with_predicate(df: Any, values: int) -> Any:
+    # coiled's join key: an integer column of about as many values as rows
+    # (``values``; coiled's ``* 1e9`` leaves almost no row a match at these
+    # sizes, and an empty join would check nothing)
+    df["predicate"] = df["0"] * (values / 2)
+    return df.astype({"predicate": "int"})
+
+
+def merge_p2p(client: Client, memory: int, scale: float) -> float:
+    part_bytes = _part_bytes(memory, scale)
+    side_bytes = memory * scale / 4
+    rows = int(side_bytes // (101 * 8))
+    left = _with_predicate(_timeseries(side_bytes, part_bytes, seed=11), rows)
+    right = _with_predicate(_timeseries(side_bytes, part_bytes, seed=12), rows)
+    with dask.config.set({"dataframe.shuffle.method": "p2p"}):
+        joined = left.merge(right, on="predicate", how="inner")
+        # keeps dask from pruning the columns the join would move
+        joined = joined.map_partitions(lambda x: x)
+        matched = (joined["1_x"] * 2**20).round().sum() + (joined["1_y"] * 2**20).round().sum()
+        total = matched + joined["predicate"].sum() + joined.size
+        # (inside: dask picks the shuffle method when it lowers the graph)
+        return float(client.compute(total).result())
+
+
+def set_index_p2p(client: Client, memory: int, scale: float) -> float:
+    df = _timeseries(memory * scale / 2, _part_bytes(memory, scale), seed=13)
+    with dask.config.set({"dataframe.shuffle.method": "p2p"}):
+        indexed = df.set_index("0").map_partitions(lambda x: x)
+        index = indexed.index.to_series()
+        total = _order_free_total(indexed) + (index * 2**20).round().sum()
+        return float(client.compute(total).result())
 
 
 def spilling(client: Client | None, memory: int, scale: float) -> float:
@@ -221,6 +274,8 @@ WORKLOADS: dict[str, Workload] = {
     "climatic_mean": climatic_mean,
     "rechunk_p2p": rechunk_p2p,
     "shuffle_p2p": shuffle_p2p,
+    "merge_p2p": merge_p2p,
+    "set_index_p2p": set_index_p2p,
     "spilling": spilling,
     "matmul": matmul,
     "quadratic_mean": quadratic_mean,
