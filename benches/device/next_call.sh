@@ -11,7 +11,8 @@
 #             own limit is cut to what is left (a step with under 40 s left
 #             is skipped, and says so in next_call.log)
 #   STEPS     the steps to run, in this order (default: 1 2 3 4; steps 5
-#             and 6 take a call of their own: STEPS=5, STEPS=6)
+#             and 6 take a call of their own: STEPS=5, STEPS=6; step 7 fits
+#             beside 3 or 4: STEPS="7 3")
 # Steps (the README's items; times at 8 workers x 1 GiB on that machine):
 #   1  double_diff and anom_mean, lists pinned (PCP=100000), one round  (item 1, 5)
 #   2  double_diff alone, lists not pinned, one round                   (item 1)
@@ -21,6 +22,7 @@
 #      in stock, this has 8x the flops: a call of its own)                (item 2)
 #   6  arrays born shared (huge-page root): climatic_mean, double_diff and
 #      rechunk_p2p, lists pinned, one round (a call of its own)           (item 7)
+#   7  the P2P join and set_index, lists pinned, one round              (item 8)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/device-out}"
@@ -61,6 +63,7 @@ for s in $STEPS; do
         5) step w8-matmul-8g 560 W=8 MEM="8 GiB" SCALE=2 ROUNDS=1 PCP=100000 K="matmul" ;;
         6) step w8-born 560 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 HUGE=1 \
             K="climatic_mean or double_diff or rechunk_p2p" ;;
+        7) step w8-joins 300 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 K="merge_p2p or set_index_p2p" ;;
         *) echo "unknown step $s" | tee -a "$LOG" ;;
     esac
 done
