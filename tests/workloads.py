@@ -14,6 +14,11 @@ compared (equal sums).
   ``(1, 1, lat, lead, level, lon)`` chunks, mean over ``init_date`` by 10
   groups; chunks 16x smaller than coiled's 200 MiB, 10 dates and as many
   ensemble members as the size takes (coiled: 28 members, the dates scaled).
+- ``vorticity`` (test_array.py, dask/distributed#6571): ``dx * pad(u) -
+  dy * pad(v)``, u and v each 0.85x the memory in ``(side, side, 1)`` chunks
+  of 1/100th of it (coiled: 1/400th), each padded by one wrapped row that
+  is then merged back into the chunks: the pad's row moves between workers
+  and the graph stops being blockwise.
 - ``rechunk_p2p`` (test_rechunk.py ``test_tiles_to_rows``): 1.5x the memory
   in 8.5 MiB tiles, rechunked to full columns with ``array.rechunk.method:
   p2p``, then summed; ``array.chunk-size`` (what "auto" columns aim at) is
@@ -21,6 +26,11 @@ compared (equal sums).
 - ``shuffle_p2p`` (test_dataframe.py ``test_shuffle``): a timeseries of 100
   float columns, half the memory in partitions of 1/64th of it, shuffled on
   a column with ``shuffle_method="p2p"``.
+- ``dataframe_align`` (test_dataframe.py ``test_dataframe_align``): such a
+  timeseries of half the memory minus one of a quarter with twice as many
+  rows a day, half of whose days fall within the first's range (coiled's
+  ranges do not overlap, so its partitions are only put side by side; here
+  aligning them cuts and joins partitions across workers).
 - ``merge_p2p`` (test_join.py ``test_join_big``): two such timeseries of a
   quarter of the memory each, inner-joined on an integer column of about as
   many values as rows (each row matches about one: coiled's key, scaled by
@@ -117,6 +127,24 @@ def climatic_mean(client: Client, memory: int, scale: float) -> float:
     return float(client.compute(clim.sum()).result())
 
 
+def vorticity(client: Client, memory: int, scale: float) -> float:
+    side = square_side(memory * scale / 100)
+    depth = max(2, int(memory * scale * 0.85 / (side * side * 8)))
+    u = _rng(21).random((side, side, depth), chunks=(side, side, 1))
+    v = _rng(22).random((side, side, depth), chunks=(side, side, 1))
+    dx = _rng(23).random((side + 1, side), chunks=(side + 1, side))
+    dy = _rng(24).random((side + 1, side), chunks=(side + 1, side))
+
+    def pad_rechunk(arr: da.Array) -> da.Array:
+        padded = da.pad(arr, pad_width=[(0, 1), (0, 0), (0, 0)], mode="wrap")
+        chunks = list(padded.chunks)
+        chunks[0] = (side + 1,)
+        return padded.rechunk(tuple(chunks))
+
+    result = dx[..., None] * pad_rechunk(u) - dy[..., None] * pad_rechunk(v)
+    return float(client.compute(result.sum()).result())
+
+
 def rechunk_p2p(client: Client, memory: int, scale: float) -> float:
     n = square_side(memory * scale * 1.5)
     # "auto" columns as big as coiled's are for coiled's memory: 128 MiB of
@@ -128,22 +156,31 @@ def rechunk_p2p(client: Client, memory: int, scale: float) -> float:
     return float(client.compute(total).result())
 
 
-def _timeseries(nbytes: float, part_bytes: int, seed: int) -> Any:
+def _timeseries(
+    nbytes: float, part_bytes: int, seed: int, rows_factor: int = 1, start: str = "2020-01-01"
+) -> Any:
     """A timeseries of 100 float columns of about ``nbytes`` in partitions of
-    about ``part_bytes`` (one a day), as coiled's ``timeseries_of_size``."""
+    about ``part_bytes`` (one a day) from ``start``, as coiled's
+    ``timeseries_of_size``; ``rows_factor`` times as many rows a day in
+    partitions as many times larger."""
     from dask.datasets import timeseries
 
     dtypes = {str(i): float for i in range(100)}
-    rows_a_day = max(1, part_bytes // ((len(dtypes) + 1) * 8))
-    days = max(2, round(nbytes / part_bytes))
+    rows_a_day = max(1, part_bytes // ((len(dtypes) + 1) * 8)) * rows_factor
+    days = _days(nbytes, part_bytes, rows_factor)
     return timeseries(
-        start="2020-01-01",
-        end=str(np.datetime64("2020-01-01") + np.timedelta64(days, "D")),
+        start=start,
+        end=str(np.datetime64(start) + np.timedelta64(days, "D")),
         freq=f"{86_400_000 // rows_a_day}ms",
         partition_freq="24h",
         dtypes=dtypes,
         seed=seed,
     )
+
+
+def _days(nbytes: float, part_bytes: int, rows_factor: int = 1) -> int:
+    """Days (partitions) of :func:`_timeseries`."""
+    return max(2, round(nbytes / (part_bytes * rows_factor)))
 
 
 def _part_bytes(memory: int, scale: float) -> int:
@@ -163,6 +200,18 @@ def shuffle_p2p(client: Client, memory: int, scale: float) -> float:
     df = _timeseries(memory * scale / 2, _part_bytes(memory, scale), seed=6)
     shuffled = df.shuffle("0", shuffle_method="p2p").map_partitions(lambda x: x)
     return float(client.compute(_order_free_total(shuffled)).result())
+
+
+def dataframe_align(client: Client, memory: int, scale: float) -> float:
+    part_bytes = _part_bytes(memory, scale)
+    df = _timeseries(memory * scale / 2, part_bytes, seed=31)
+    # half of its days before df's first, half within df's range
+    overlap = _days(memory * scale / 4, part_bytes, rows_factor=2) // 2
+    start = str(np.datetime64("2020-01-01") - np.timedelta64(overlap, "D"))
+    denser = _timeseries(memory * scale / 4, part_bytes, seed=32, rows_factor=2, start=start)
+    diff = denser - df
+    total = diff.count().sum() + (diff["1"].fillna(0) * 2**20).round().sum()
+    return float(client.compute(total).result())
 
 
 def _with_predicate(df: Any, values: int) -> Any:
@@ -272,8 +321,10 @@ WORKLOADS: dict[str, Workload] = {
     "double_diff": double_diff,
     "anom_mean": anom_mean,
     "climatic_mean": climatic_mean,
+    "vorticity": vorticity,
     "rechunk_p2p": rechunk_p2p,
     "shuffle_p2p": shuffle_p2p,
+    "dataframe_align": dataframe_align,
     "merge_p2p": merge_p2p,
     "set_index_p2p": set_index_p2p,
     "spilling": spilling,
