@@ -22,7 +22,8 @@
 #      in stock, this has 8x the flops: a call of its own)                (item 2)
 #   6  arrays born shared (huge-page root): climatic_mean, double_diff and
 #      rechunk_p2p, lists pinned, one round (a call of its own)           (item 7)
-#   7  the P2P join and set_index, lists pinned, one round              (item 8)
+#   7  the P2P join, set_index, vorticity, dataframe_align, lists pinned,
+#      one round                                                        (item 8)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/device-out}"
@@ -63,7 +64,8 @@ for s in $STEPS; do
         5) step w8-matmul-8g 560 W=8 MEM="8 GiB" SCALE=2 ROUNDS=1 PCP=100000 K="matmul" ;;
         6) step w8-born 560 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 HUGE=1 \
             K="climatic_mean or double_diff or rechunk_p2p" ;;
-        7) step w8-joins 300 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 K="merge_p2p or set_index_p2p" ;;
+        7) step w8-added 300 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 \
+            K="merge_p2p or set_index_p2p or vorticity or dataframe_align" ;;
         *) echo "unknown step $s" | tee -a "$LOG" ;;
     esac
 done
