@@ -53,6 +53,65 @@ def test_a_batch_of_bytes_comes_back_as_bytes(tmp_path):
     assert shard_file.read(path, size, nonce) == b"x" * 100_000
 
 
+def dataframe_batch() -> list:
+    """What DataFrameShuffleRun sends: (input partition, arrow stream as bytes),
+    with one shard under OUT_OF_BAND_BYTES."""
+    import pandas as pd
+    import pyarrow as pa
+    from distributed.shuffle._arrow import serialize_table
+
+    frames = [
+        pd.DataFrame({"x": np.arange(n, dtype=float), "y": np.arange(n) % 7}) for n in (1, 5000)
+    ]
+    return [(i, serialize_table(pa.Table.from_pandas(df))) for i, df in enumerate(frames)]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_dataframe_shards_come_back_as_tables_without_copies_into_the_pickle(tmp_path, copy):
+    from distributed.shuffle._arrow import buffers_to_table
+
+    sent = dataframe_batch()
+    assert [len(b) < shard_file.OUT_OF_BAND_BYTES for _, b in sent] == [True, False]
+    path = str(tmp_path / "batch.p2p")
+    size, nonce = shard_file.write(path, sent)
+    with open(path, "rb") as f:
+        head = f.read(shard_file._HEADER.size)
+    # the large shard is written after the pickle, not into it; the small one in it
+    assert shard_file._HEADER.unpack(head)[4] < len(sent[0][1]) + 256
+    got = shard_file.read(path, size, nonce, copy=copy)
+    assert [i for i, _ in got] == [i for i, _ in sent]
+    assert [bytes(b) for _, b in got] == [b for _, b in sent]
+    large = got[1][1]
+    assert isinstance(large, memoryview) and large.readonly
+    if not copy:  # a view of the mapping, at an aligned offset
+        assert np.frombuffer(large, np.uint8).ctypes.data % 64 == 0
+    # distributed's receive path reads them as it reads bytes
+    assert buffers_to_table(got).equals(buffers_to_table(sent))
+
+
+class DefinedInMain:
+    """Stands for a class of the sender's script: pickled by value."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DefinedInMain) and other.payload == self.payload
+
+
+def test_objects_of_main_go_by_value_as_distributed_sends_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(DefinedInMain, "__module__", "__main__")
+    sent = [(0, DefinedInMain(b"z" * 5000))]
+    path = str(tmp_path / "batch.p2p")
+    size, nonce = shard_file.write(path, sent)
+    # cloudpickle wrote the class itself: the reader needs no __main__ of ours
+    monkeypatch.setattr(DefinedInMain, "__module__", __name__)
+    with open(path, "rb") as f:
+        assert b"DefinedInMain" in f.read()
+    got = shard_file.read(path, size, nonce)
+    assert got[0][0] == 0 and got[0][1].payload == b"z" * 5000
+
+
 @pytest.mark.parametrize("damage", ["shorter", "other nonce", "missing"])
 def test_a_file_that_is_not_the_one_announced_is_refused(tmp_path, damage):
     path = str(tmp_path / "batch.p2p")

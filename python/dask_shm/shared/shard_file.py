@@ -4,13 +4,18 @@
 shards, or the bytes distributed already pickled small shards into) out in a
 file: a fixed header (magic, a random nonce, the kind, the sizes), then the
 protocol-5 pickle of the batch, then its out-of-band buffers (numpy arrays'
-data), each 64-byte aligned. :func:`read` maps the file copy-on-write,
+data, and the data of every ``bytes`` shard of at least
+:data:`OUT_OF_BAND_BYTES`: a dataframe shuffle's shards are arrow streams
+as bytes), each 64-byte aligned. :func:`read` maps the file copy-on-write,
 checks it is the file the handle names (size and nonce), unlinks it, and
 rebuilds the batch with the arrays viewing the mapping: no copy of their
-bytes, and writable as a received array is in stock. A receiver that keeps
+bytes, and writable as a received array is in stock. A ``bytes`` shard comes
+back as a read-only ``memoryview`` of the mapping, which distributed's
+receive path reads as it reads bytes (``pyarrow.py_buffer``). A receiver that keeps
 shards in memory asks for a copy of each buffer instead, so that one kept
-shard does not keep its whole batch alive. A batch of bytes comes back as
-bytes (one copy: distributed's receive path wants ``bytes``).
+shard does not keep its whole batch alive. A batch of bytes (small shards
+distributed pickled itself) comes back as bytes (one copy: distributed's
+receive path unpickles only ``bytes``).
 
 The handle (:class:`ShardFile`) travels as a plain dict (msgpack, no
 pickle): turning it back into an object never runs code of ours during
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle as std_pickle
 import struct
 import uuid
 from collections.abc import Callable
@@ -102,11 +108,43 @@ def _writev_all(fd: int, parts: list[memoryview]) -> None:
             parts[first] = parts[first][written:]
 
 
+#: ``bytes`` in a batch at least this long are written out of band
+OUT_OF_BAND_BYTES = 1024
+
+
+def _bytes_out_of_band(obj: Any) -> Any:
+    """``obj`` with every ``bytes`` of :data:`OUT_OF_BAND_BYTES` or more found
+    in its lists and tuples (of exactly those types) wrapped in a
+    ``PickleBuffer``, which protocol 5 writes out of band and reads back as
+    a read-only ``memoryview``. Pickle writes ``bytes`` in band (before any
+    ``reducer_override``): copied into the pickle, then into the file, then
+    out again on the receiver."""
+    kind = type(obj)
+    if kind is bytes:
+        return std_pickle.PickleBuffer(obj) if len(obj) >= OUT_OF_BAND_BYTES else obj
+    if kind is list:
+        return [_bytes_out_of_band(item) for item in obj]
+    if kind is tuple:
+        return tuple(_bytes_out_of_band(item) for item in obj)
+    return obj
+
+
 def _layout(batch: list | bytes) -> tuple[int, bytes, list[memoryview]]:
     """The kind, the pickle (or the bytes themselves) and the buffers of a batch."""
     if isinstance(batch, bytes):
         return KIND_BYTES, batch, []
     raw: list[memoryview] = []
+    try:
+        body = std_pickle.dumps(
+            _bytes_out_of_band(batch), protocol=5, buffer_callback=lambda b: raw.append(b.raw())
+        )
+        # Classes of the sender's __main__ go by value, as distributed's
+        # dumps sends them (cloudpickle); so does what pickle refuses.
+        if b"__main__" not in body:
+            return KIND_PICKLE, body, raw
+    except Exception:
+        pass
+    raw.clear()
     frames = pickle.dumps(batch, buffer_callback=lambda b: raw.append(b.raw()), protocol=5)
     return KIND_PICKLE, frames, raw
 
