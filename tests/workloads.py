@@ -39,8 +39,9 @@ compared (equal sums).
   a timeseries of a quarter of the memory, ``set_index`` on a float column
   by P2P (dask first reads the column once for the divisions). With half
   the memory, as the shuffle, a stock worker of 512 MiB paused for good in
-  one run of six (424 MiB resident, three keys in memory, nothing to
-  spill) while the scheduler waited for it to run the shuffle's outputs.
+  one of four stock runs (424 MiB resident, three keys in memory, nothing
+  to spill) while the scheduler waited for it to run the shuffle's
+  outputs; shared mode finished its three.
 - ``spilling`` (test_spill.py, ``release``): an array of 1.79x the memory
   persisted (it spills), then its sum, the array released meanwhile; chunks
   of 1/256th of the cluster's memory (coiled's 128 MiB of 36 GiB: 4 MiB for
