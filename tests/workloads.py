@@ -160,6 +160,11 @@ def rechunk_p2p(client: Client, memory: int, scale: float) -> float:
     return float(client.compute(total).result())
 
 
+#: float columns of :func:`_timeseries`, and the bytes of one row (the index too)
+_COLUMNS = 100
+_ROW_BYTES = (_COLUMNS + 1) * 8
+
+
 def _timeseries(
     nbytes: float, part_bytes: int, seed: int, rows_factor: int = 1, start: str = "2020-01-01"
 ) -> Any:
@@ -169,8 +174,8 @@ def _timeseries(
     partitions as many times larger."""
     from dask.datasets import timeseries
 
-    dtypes = {str(i): float for i in range(100)}
-    rows_a_day = max(1, part_bytes // ((len(dtypes) + 1) * 8)) * rows_factor
+    dtypes = {str(i): float for i in range(_COLUMNS)}
+    rows_a_day = max(1, part_bytes // _ROW_BYTES) * rows_factor
     days = _days(nbytes, part_bytes, rows_factor)
     return timeseries(
         start=start,
@@ -193,11 +198,16 @@ def _part_bytes(memory: int, scale: float) -> int:
     return max(MIB, int(memory * scale / 64))
 
 
+def _rounded_sum(column: Any) -> Any:
+    """A float sum that does not depend on the rows' order (each rounded to
+    an integer after scaling by 2**20): row order within a partition depends
+    on arrival order."""
+    return (column * 2**20).round().sum()
+
+
 def _order_free_total(df: Any) -> Any:
-    """Row order within partitions depends on arrival order: sum a column
-    whose float sum does not depend on it (rounded per row to an integer),
-    plus the frame's size."""
-    return (df["1"] * 2**20).round().sum() + df.size
+    """Column "1"'s :func:`_rounded_sum` plus the frame's size."""
+    return _rounded_sum(df["1"]) + df.size
 
 
 def shuffle_p2p(client: Client, memory: int, scale: float) -> float:
@@ -214,7 +224,7 @@ def dataframe_align(client: Client, memory: int, scale: float) -> float:
     start = str(np.datetime64("2020-01-01") - np.timedelta64(overlap, "D"))
     denser = _timeseries(memory * scale / 4, part_bytes, seed=32, rows_factor=2, start=start)
     diff = denser - df
-    total = diff.count().sum() + (diff["1"].fillna(0) * 2**20).round().sum()
+    total = diff.count().sum() + _rounded_sum(diff["1"].fillna(0))
     return float(client.compute(total).result())
 
 
@@ -229,14 +239,14 @@ def _with_predicate(df: Any, values: int) -> Any:
 def merge_p2p(client: Client, memory: int, scale: float) -> float:
     part_bytes = _part_bytes(memory, scale)
     side_bytes = memory * scale / 4
-    rows = int(side_bytes // (101 * 8))
+    rows = int(side_bytes // _ROW_BYTES)
     left = _with_predicate(_timeseries(side_bytes, part_bytes, seed=11), rows)
     right = _with_predicate(_timeseries(side_bytes, part_bytes, seed=12), rows)
     with dask.config.set({"dataframe.shuffle.method": "p2p"}):
         joined = left.merge(right, on="predicate", how="inner")
         # keeps dask from pruning the columns the join would move
         joined = joined.map_partitions(lambda x: x)
-        matched = (joined["1_x"] * 2**20).round().sum() + (joined["1_y"] * 2**20).round().sum()
+        matched = _rounded_sum(joined["1_x"]) + _rounded_sum(joined["1_y"])
         total = matched + joined["predicate"].sum() + joined.size
         # (inside: dask picks the shuffle method when it lowers the graph)
         return float(client.compute(total).result())
@@ -246,8 +256,7 @@ def set_index_p2p(client: Client, memory: int, scale: float) -> float:
     df = _timeseries(memory * scale / 4, _part_bytes(memory, scale), seed=13)
     with dask.config.set({"dataframe.shuffle.method": "p2p"}):
         indexed = df.set_index("0").map_partitions(lambda x: x)
-        index = indexed.index.to_series()
-        total = _order_free_total(indexed) + (index * 2**20).round().sum()
+        total = _order_free_total(indexed) + _rounded_sum(indexed.index.to_series())
         return float(client.compute(total).result())
 
 
