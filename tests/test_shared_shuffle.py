@@ -259,6 +259,34 @@ def test_cross_host_batches_go_by_tcp_same_host_ones_by_file():
             shutil.rmtree(d, ignore_errors=True)
 
 
+def test_a_worker_that_cannot_take_shard_files_gets_bytes(tmp_path):
+    # One worker cannot make its batch directory (an injected ENOSPC): it
+    # publishes that it takes no shard files, so its peer sends it bytes, and
+    # the shuffle finishes (a handle sent there would fail the run).
+    with small_tmpfs("1g") as root:
+        preload = os.path.join(HERE, "p2p_refusing_preload.py")
+        config = {
+            **shared_config(root),
+            "distributed.worker.preload": [preload, "dask_shm"],
+            "tests.p2p-refusing-flag": str(tmp_path / "refusing"),
+        }
+        with process_cluster(2, "2GiB", config) as client:
+            from dask_shm.shared import p2p
+
+            by_file = client.run(lambda dask_worker: p2p.by_file(dask_worker.address))
+            assert sorted(by_file.values()) == [False, True], by_file
+            assert shuffled_checksum(client) == pytest.approx(expected_checksum(), rel=1e-12)
+            counters = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
+            taking = next(a for a, on in by_file.items() if on)
+            # to itself by file, to the other worker by TCP, none refused
+            assert counters[taking]["p2p_file_batches"] > 0, counters
+            assert counters[taking]["p2p_tcp_batches"] > 0, counters
+            assert counters[taking]["p2p_file_fallbacks"] == 0, counters
+            received = sum(c.get("p2p_received_file_batches", 0) for c in counters.values())
+            assert received == counters[taking]["p2p_file_batches"], counters
+        assert leftovers(root) == []
+
+
 def test_rechunk_with_shards_kept_in_memory(shared_client, shm_root):
     client = shared_client
     before = file_batches(client)
@@ -269,3 +297,28 @@ def test_rechunk_with_shards_kept_in_memory(shared_client, shm_root):
     assert got == pytest.approx(float((x * weights).sum().compute(scheduler="sync")), rel=1e-12)
     assert file_batches(client) > before
     wait_for_no_leftovers(shm_root)
+
+
+def test_a_handle_reaching_a_worker_that_no_longer_takes_files_asks_for_bytes():
+    # A peer may have read our registry entry just before the worker stopped
+    # taking shard files (its plugin torn down): stock's receive would take
+    # the handle for shards and fail the run, so that wrapper stays.
+    import asyncio
+    import types
+
+    from distributed.shuffle._core import ShuffleRun
+
+    from dask_shm.shared import p2p
+
+    stock_send = ShuffleRun._send
+    p2p.install()
+    p2p.uninstall()
+    try:
+        assert ShuffleRun._send is stock_send
+        run = types.SimpleNamespace(local_address="tcp://127.0.0.1:1")
+        handle = {"relpath": "x/y.p2p", "token": "t", "size": 1, "nonce": "n"}
+        reply = asyncio.run(ShuffleRun.receive(run, {p2p.HANDLE_KEY: handle}))
+        assert reply[p2p.RESEND] is True
+        assert reply["status"] == "error"
+    finally:
+        ShuffleRun.receive = p2p._originals.pop("receive")

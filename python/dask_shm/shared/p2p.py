@@ -88,6 +88,11 @@ class WorkerFiles:
     _runs: set[int] = field(default_factory=set)
 
     def shares_root_with(self, address: str) -> bool:
+        """Whether the worker at ``address`` takes our batches as files: it
+        shares our root and published that it receives shard files."""
+        entry = self.registry.entry(address)
+        if entry is None or not entry.p2p:
+            return False
         return bool(self.registry.shared_roots(address, self.address, [self.token]))
 
     def run_directory(self, run_id: int) -> str:
@@ -261,25 +266,33 @@ def _wrap_close(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
 _WRAPPERS = {"_send": _wrap_send, "receive": _wrap_receive, "close": _wrap_close}
 
 
+#: Left wrapped by :func:`uninstall`: a peer that read our registry entry just
+#: before we withdrew it may still send a handle (for up to the registry's
+#: ``CACHE_SECONDS``). Stock's ``receive`` would take the handle for a batch of
+#: shards and fail the run; the wrapper, finding no worker of ours, answers it
+#: with a request for bytes.
+_KEPT = frozenset({"receive"})
+
+
 def install() -> None:
     """Wrap ``ShuffleRun._send``, ``receive`` and ``close`` (once per process)."""
     from distributed.shuffle._core import ShuffleRun
 
-    if _originals:
-        return
     for name, wrap in _WRAPPERS.items():
+        if name in _originals:
+            continue
         original = getattr(ShuffleRun, name)
         _originals[name] = original
         setattr(ShuffleRun, name, wrap(original))
 
 
 def uninstall() -> None:
-    """Put the stock methods back."""
+    """Put the stock ``_send`` and ``close`` back (``receive`` stays wrapped:
+    see :data:`_KEPT`)."""
     from distributed.shuffle._core import ShuffleRun
 
-    for name, original in _originals.items():
-        setattr(ShuffleRun, name, original)
-    _originals.clear()
+    for name in [n for n in _originals if n not in _KEPT]:
+        setattr(ShuffleRun, name, _originals.pop(name))
 
 
 def enable(

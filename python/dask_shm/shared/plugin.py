@@ -164,13 +164,19 @@ class SharedMemoryPlugin(WorkerPlugin):
             buffer.start_writing_ahead(max(settings.transfer_min_size, settings.min_size))
         pack_buffers.install()
         first = buffer.store.tiers.tiers[0].number
+        takes_shard_files = False
         if first in tokens:
             try:
-                if not p2p.enable(worker.address, buffer, self._registry, root, tokens[first]):
+                takes_shard_files = p2p.enable(
+                    worker.address, buffer, self._registry, root, tokens[first]
+                )
+                if not takes_shard_files:
                     logger.info("dask-shm: P2P shard batches go as bytes (see dask shm info)")
             except OSError as e:
                 logger.info("dask-shm: P2P shard batches go as bytes: %s", e)
-        self._registry.register(worker.address, tokens.values())
+        # Peers send shard files only to a worker that published p2p: a
+        # worker whose enable failed has no receiver for them.
+        self._registry.register(worker.address, tokens.values(), p2p=takes_shard_files)
         monitor.install_worker_monitor(worker, buffer)
         self._relief = relief.start_for_worker(worker, buffer)
         metrics.install(worker)

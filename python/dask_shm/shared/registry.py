@@ -13,8 +13,10 @@ The entry's content (JSON) says what else the peer shares with us:
 :mod:`dask_shm.shared.root_id`: a sender hands a handle only for a file in a
 root whose token the receiver lists), and ``refused``, per sender the root
 tokens whose handles from it could not be resolved (a token copied along
-with a directory: that sender sends files of those roots as bytes from then on). The pid and
-start time are informative only. Content that cannot be parsed means "no
+with a directory: that sender sends files of those roots as bytes from then on), and
+``p2p``, whether it takes P2P shard batches as files (see
+:mod:`dask_shm.shared.p2p`; a worker whose batch directory could not be made
+does not). The pid and start time are informative only. Content that cannot be parsed means "no
 roots": bytes, never a handle the peer may not resolve.
 """
 
@@ -45,11 +47,13 @@ def _serializing_address(address: str) -> bool:
 
 @dataclass(frozen=True)
 class PeerEntry:
-    """What a live peer published: the root tokens it shares files through
-    and, per sender, the root tokens whose handles it refuses."""
+    """What a live peer published: the root tokens it shares files through,
+    per sender the root tokens whose handles it refuses, and whether it
+    takes P2P shard batches as files."""
 
     roots: frozenset[str]
     refused: dict[str, frozenset[str]]
+    p2p: bool = False
 
     @classmethod
     def parse(cls, content: bytes) -> PeerEntry:
@@ -60,9 +64,10 @@ class PeerEntry:
                 str(a): frozenset(str(t) for t in ts)
                 for a, ts in dict(doc.get("refused", {})).items()
             }
+            p2p = doc.get("p2p") is True
         except (ValueError, TypeError, AttributeError):
             return cls(frozenset(), {})
-        return cls(roots, refused)
+        return cls(roots, refused, p2p)
 
 
 def _read_live_entry(path: str, remove_if_dead: bool) -> PeerEntry | None:
@@ -102,17 +107,24 @@ class PeerRegistry:
     def _path(self, address: str) -> str:
         return os.path.join(self.directory, quote(address, safe=""))
 
-    def register(self, address: str, roots: Iterable[str] = ()) -> None:
+    def register(self, address: str, roots: Iterable[str] = (), p2p: bool = False) -> None:
         """Announce that the worker at ``address`` (this process) accepts handles
-        for files in the roots whose identity tokens are ``roots``, until
-        :meth:`unregister` or this process's death. An ``inproc://`` address
+        for files in the roots whose identity tokens are ``roots`` (and, with
+        ``p2p``, P2P shard batch files in them), until :meth:`unregister` or
+        this process's death. An ``inproc://`` address
         is never announced: its messages are not serialized, so it could not
         turn a handle back into a value."""
         if not _serializing_address(address):
             return
         self.unregister(address)
         me = paths.ProcessIdentity.current()
-        doc: dict = {"pid": me.pid, "start": me.start, "roots": sorted(roots), "refused": {}}
+        doc: dict = {
+            "pid": me.pid,
+            "start": me.start,
+            "roots": sorted(roots),
+            "refused": {},
+            "p2p": p2p,
+        }
         tmp = f"{self._path(address)}.{uuid.uuid4().hex[:8]}.tmp"
         content = json.dumps(doc).encode()
         # Locked and written before it is visible under its name: never seen
