@@ -371,3 +371,25 @@ def test_reading_frames_reports_stock_deserialization_stages(layout):
     np.testing.assert_array_equal(ours["x"], value["x"])
     assert ours["label"] == value["label"]
     assert ours_stages == stock_stages == [("decompress", "seconds"), ("deserialize", "seconds")]
+
+
+@pytest.mark.parametrize("kind", ["private", "shared"])
+def test_the_empty_key_spills_like_any_other(tmp_path, kind, shared_spill_buffer):
+    # quote("") names no file: the key "" once stayed at the head of the LRU,
+    # so that no key could be spilled after it (evict() returned -1).
+    stock = StockSpillBuffer(str(tmp_path / "stock"), target=1_000)
+    ours = (
+        SpillBuffer(str(tmp_path / "ours"), target=1_000)
+        if kind == "private"
+        else shared_spill_buffer(target=1_000)
+    )
+    for buf in (stock, ours):
+        buf[""] = b"x" * 400
+        buf["a"] = b"y" * 400
+        buf["b"] = b"z" * 400  # over target: "" (least recently used) goes
+        assert "" in buf.slow
+        assert buf.evict() > 0  # and the next one after it
+        assert buf[""] == b"x" * 400
+    # (shared mode counts its files against target too, so it spills more)
+    if kind == "private":
+        assert set(ours.slow) == set(stock.slow) == {"a"}  # "" read back into memory

@@ -76,6 +76,9 @@ def file_stem(key: Key) -> str:
     """File name stem for a key: ``quote(str(key))`` as stock distributed does,
     shortened with a hash suffix when too long for a file system."""
     stem = quote(str(key), safe="")
+    if not stem:
+        # no file can be named "" (the key ""); quote never makes a lone "%"
+        return "%"
     if stem.startswith("."):
         stem = "%2E" + stem[1:]
     if len(stem) > _MAX_STEM:
