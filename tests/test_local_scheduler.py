@@ -643,3 +643,153 @@ def test_directories_of_killed_computations_are_removed_by_the_next(
         assert get({"x": (big_array, 1)}, "x", pool=pool).shape == (BIG,)
         assert sorted(shm_base.iterdir()) == sorted([unlocked, Path(live.path)])
     unlocked.rmdir()
+
+
+# --- found by review (stop 59): aliasing, names, concurrency, pools -------
+
+
+def write_first_read_second(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    before = float(b[0])
+    a[0] = -1.0
+    return before, float(b[0])
+
+
+def head_part(x: np.ndarray) -> np.ndarray:
+    return x[: BIG * 3 // 4]
+
+
+def tail_part(x: np.ndarray) -> np.ndarray:
+    return x[BIG // 4 :]
+
+
+def write_head_read_tail(head: np.ndarray, tail: np.ndarray) -> float:
+    head[BIG // 2] = -1.0  # element BIG // 4 of tail, in the same file
+    return float(tail[BIG // 4])
+
+
+def test_two_inputs_from_one_file_never_share_memory(
+    pool: ProcessPoolExecutor, shm_base: Path
+) -> None:
+    # Both inputs are the same array handed on unchanged (or overlapping
+    # views of it): they travel as references to one file, and a task that
+    # writes one must not see the other change, as with unpickled copies.
+    x = dask.delayed(big_array)(3)
+    same = dask.delayed(write_first_read_second)(
+        dask.delayed(identity)(x), dask.delayed(identity)(x)
+    )
+    overlapping = dask.delayed(write_head_read_tail)(
+        dask.delayed(head_part)(x), dask.delayed(tail_part)(x)
+    )
+    expected = dask.compute(same, overlapping, scheduler="processes")
+    assert dask.compute(same, overlapping, scheduler=get, pool=pool) == expected
+    first = float(big_array(3)[0])
+    assert expected[0] == (first, first)
+
+
+_kept_across_computations: dict[str, np.ndarray] = {}
+
+
+def keep_in_process(x: np.ndarray) -> int:
+    _kept_across_computations["x"] = x
+    return os.getpid()
+
+
+def kept_or(x: np.ndarray) -> np.ndarray:
+    return _kept_across_computations.get("x", x)
+
+
+def test_a_value_a_pool_process_kept_is_read_right_by_the_next_computation(
+    shm_base: Path,
+) -> None:
+    # The warm pool's process maps a file of the first computation; the next
+    # one (same directory) writes new files, and their names once repeated
+    # the first's, so the kept array was sent back as the new file's bytes.
+    ones, twos = np.full(BIG, 1.0), np.full(BIG, 2.0)
+    pids = {dask.delayed(keep_in_process)(ones).compute(scheduler=get, num_workers=1)}
+    for _ in range(2):
+        got = dask.delayed(kept_or)(twos).compute(scheduler=get, num_workers=1)
+        np.testing.assert_array_equal(got, ones)
+        pids.add(dask.delayed(os.getpid)().compute(scheduler=get, num_workers=1))
+    assert len(pids) == 1, "the warm pool was not reused: the test proves nothing"
+
+
+def slow_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    time.sleep(0.05)
+    return a + b
+
+
+def test_many_concurrent_computations_on_the_warm_pool(shm_base: Path) -> None:
+    # More computations at once than the parent once kept endpoints for: an
+    # evicted endpoint lost the counts that keep its files alive.
+    import threading
+
+    def graph(seed: int) -> list[object]:
+        xs = [dask.delayed(big_array)(seed * 10 + i) for i in range(6)]
+        for _ in range(3):
+            xs = [dask.delayed(slow_add)(xs[i], xs[(i + 1) % 6]) for i in range(6)]
+        return [dask.delayed(total)(x) for x in xs]
+
+    threads = 6
+    expected = {s: dask.compute(*graph(s), scheduler="sync") for s in range(threads)}
+    outcomes: dict[int, object] = {}
+
+    def run(seed: int) -> None:
+        try:
+            for _ in range(3):
+                outcomes[seed] = dask.compute(*graph(seed), scheduler=get, num_workers=1)
+                assert outcomes[seed] == expected[seed]
+        except BaseException as e:  # reported below, with the seed
+            outcomes[seed] = e
+
+    workers = [threading.Thread(target=run, args=(s,)) for s in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(100)
+    assert outcomes == expected
+
+
+def fail_after(x: object, seconds: float) -> None:
+    time.sleep(seconds)
+    raise ValueError("failed on purpose")
+
+
+def test_a_failed_computation_leaves_a_multiprocessing_pool_usable(shm_base: Path) -> None:
+    # On failure get waits for the tasks still running; cancelling the
+    # futures dask wraps a multiprocessing.Pool's results in killed the
+    # pool's result-handler thread, and the pool never answered again.
+    with get_context().Pool(2) as mp_pool:
+        tasks = [dask.delayed(sleep_then_return)(i, 1.0) for i in range(5)]
+        with pytest.raises(ValueError, match="failed on purpose"):
+            dask.compute(*tasks, dask.delayed(fail_after)(0, 0), scheduler=get, pool=mp_pool)
+        time.sleep(2.5)  # the tasks still queued or running end and report to the pool
+        assert mp_pool._result_handler.is_alive()  # type: ignore[attr-defined]
+        again = dask.delayed(total)(dask.delayed(big_array)(1))
+        assert again.compute(scheduler=get, pool=mp_pool) == float(big_array(1).sum())
+
+
+def small_array(i: int) -> np.ndarray:
+    return np.full(10, float(i))
+
+
+def medium_array(i: int) -> np.ndarray:
+    return np.full(20_000, float(i))
+
+
+def slow_total(x: np.ndarray) -> float:
+    time.sleep(0.3)
+    return float(x.sum())
+
+
+def test_a_forked_pool_process_is_not_the_owner_of_the_files(shm_base: Path) -> None:
+    # A pool that forks its processes during a computation (here: one task
+    # per process) gave them the parent's state: they deleted files as their
+    # owner, and later tasks found their inputs gone.
+    import multiprocessing
+
+    warm_up = [dask.delayed(total)(dask.delayed(small_array)(i)) for i in range(4)]
+    x = dask.delayed(medium_array)(5)  # under MIN_RECYCLE: deleted when freed
+    sums = warm_up + [dask.delayed(slow_total)(x) for _ in range(6)]
+    expected = dask.compute(*sums, scheduler="sync")
+    with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as fork_pool:
+        assert dask.compute(*sums, scheduler=get, pool=fork_pool) == expected

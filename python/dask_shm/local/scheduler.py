@@ -29,8 +29,9 @@ class _TrackedSubmit:
     """``submit`` that remembers unfinished futures, so that the files'
     directory is only removed once no pool process can still be using it."""
 
-    def __init__(self, submit: Callable[..., Future[Any]]):
+    def __init__(self, submit: Callable[..., Future[Any]], can_cancel: bool = True):
         self._submit = submit
+        self._can_cancel = can_cancel
         self._lock = threading.Lock()
         self.pending: set[Future[Any]] = set()
 
@@ -46,11 +47,13 @@ class _TrackedSubmit:
             self.pending.discard(fut)
 
     def drain(self) -> None:
-        """Cancel what has not started and wait for what is running."""
+        """Cancel what has not started (where the executor can) and wait for
+        the rest."""
         with self._lock:
             futures = list(self.pending)
-        for fut in futures:
-            fut.cancel()
+        if self._can_cancel:
+            for fut in futures:
+                fut.cancel()
         for fut in futures:
             try:
                 fut.exception()
@@ -244,7 +247,12 @@ def get(
         stack.push(partial(_end_transport, transport, lease))
         if lease is not None:
             transport.seed(lease.files)
-        submit = _TrackedSubmit(executor.submit)
+        # dask's wrapper of a multiprocessing.Pool sets its futures' results
+        # from the pool's result-handler thread, which dies on a cancelled
+        # one (InvalidStateError): the pool would never answer again.
+        submit = _TrackedSubmit(
+            executor.submit, can_cancel=not isinstance(executor, MultiprocessingPoolExecutor)
+        )
         if pool is not None:
             # Not ours to stop: on failure, wait for what is still running.
             stack.callback(submit.drain)

@@ -48,6 +48,7 @@ import pickle
 import shutil
 import sys
 import threading
+import uuid
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -83,7 +84,7 @@ GIFTS_PER_TASK = 2
 
 #: Pool-process endpoints kept per directory (a user-supplied pool outlives
 #: computations; older directories are forgotten).
-_MAX_ENDPOINTS = 4
+_MAX_ENDPOINTS = 16
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -153,7 +154,10 @@ class _Endpoint:
         self.ids = count(1)
         self.local = threading.local()
         self.closed = False
-        self.stem = f"p{os.getpid()}"
+        # Unique to this endpoint: a pool process may still map a file of an
+        # earlier computation in the same (parked) directory, and ``find``
+        # knows files by name.
+        self.stem = f"p{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     # --- reference counting (owner only) ------------------------------------
     def _acquire(self, names: Iterable[str]) -> None:
@@ -272,25 +276,39 @@ class _Endpoint:
         if self.is_owner:
             self._release([mapping.name])
 
+    def _map(self, name: str) -> _Mapping:
+        mapped, base, frames = map_frames(os.path.join(self.directory, name))
+        mapping = _Mapping(name, mapped, base, frames)
+        with self.lock:
+            self.mappings[id(mapping)] = mapping
+            bisect.insort(self.bases, base)
+            self.by_base[base] = mapping
+        if self.is_owner:
+            self._acquire([name])
+        return mapping
+
     def open_ranges(self, refs: tuple[Ref, ...]) -> list[MappedRange]:
-        """One exported range per ref, mapping each named file once."""
-        opened: dict[str, tuple[int, _Mapping]] = {}
+        """One exported range per ref, mapping each named file once, except
+        that a ref overlapping a range already handed out from a mapping gets
+        a mapping of its own: two objects of one message (a task's inputs)
+        never share memory, as two unpickled copies would not."""
+        #: file name -> its mappings here, each with the byte ranges handed out
+        opened: dict[str, list[tuple[_Mapping, list[tuple[int, int]]]]] = {}
         ranges = []
         for name, frame, start, stop in refs:
-            if name not in opened:
-                mapped, base, frames = map_frames(os.path.join(self.directory, name))
-                mapping = _Mapping(name, mapped, base, frames)
-                opened[name] = (id(mapping), mapping)
-                with self.lock:
-                    self.mappings[id(mapping)] = mapping
-                    bisect.insort(self.bases, base)
-                    self.by_base[base] = mapping
-                if self.is_owner:
-                    self._acquire([name])
-            key, mapping = opened[name]
-            offset, length = mapping.frames[frame]
+            for mapping, used in opened.get(name, ()):
+                offset, length = mapping.frames[frame]
+                lo, hi = offset + start, offset + stop
+                if not any(lo < u_hi and u_lo < hi for u_lo, u_hi in used):
+                    break
+            else:
+                mapping, used = self._map(name), []
+                opened.setdefault(name, []).append((mapping, used))
+                offset, length = mapping.frames[frame]
             if not 0 <= start <= stop <= length:
                 raise ValueError(f"reference {start}:{stop} outside frame {frame} of {name}")
+            used.append((offset + start, offset + stop))
+            key = id(mapping)
             rng = MappedRange(mapping.mapped, offset + start, stop - start)
             with self.lock:
                 mapping.live += 1
@@ -351,13 +369,29 @@ _endpoints_lock = threading.Lock()
 
 
 def _endpoint(directory: str, owner_pid: int, recycle_bytes: int) -> _Endpoint:
+    """This process's endpoint of ``directory``. A pool process keeps the
+    :data:`_MAX_ENDPOINTS` most recent ones (it is never told that a
+    computation ended); the parent keeps its own until the computation
+    detaches them: their reference counts decide when files are deleted."""
     with _endpoints_lock:
         ep = _endpoints.get(directory)
         if ep is None or ep.closed:
             ep = _endpoints[directory] = _Endpoint(directory, owner_pid, recycle_bytes)
-            while len(_endpoints) > _MAX_ENDPOINTS:
-                del _endpoints[next(iter(_endpoints))]
+            guests = [d for d, e in _endpoints.items() if not e.is_owner]
+            for old in guests[: max(0, len(guests) - _MAX_ENDPOINTS)]:
+                del _endpoints[old]
         return ep
+
+
+def _forget_endpoints() -> None:
+    """In a forked child: the parent's endpoints are not this process's (it
+    would delete files as their owner), and their lock may be held."""
+    global _endpoints_lock
+    _endpoints.clear()
+    _endpoints_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_endpoints)
 
 
 class Transport:
