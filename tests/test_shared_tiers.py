@@ -176,6 +176,85 @@ def test_mapped_values_stay_put_and_move_once_released(shm_dir, disk_root):
     buf.close()
 
 
+def test_a_file_that_cannot_move_down_still_counts_in_its_tier(shm_dir):
+    # Tier 3 full: the moves fail and the files stay in tier 2. They once
+    # left its budget for good, and tier 2 then grew past its limit.
+    with small_tmpfs("1m") as full_disk:
+        buf = make_buffer(shm_dir, full_disk, budget=8 * MiB)
+        shared = buf.store.tiers.tier("shared")
+        values = {f"k{i}": np.full(MiB // 8, float(i)) for i in range(20)}  # 1 MiB each
+        for k in list(values)[:6]:
+            buf[k] = values[k]
+        for _ in range(6):
+            buf.evict()
+        held = shared.store.total()[1]
+        buf.cap_tier2(0)
+        buf.relieve_tier2(64 * MiB)  # every move fails (ENOSPC on tier 3)
+        assert buf.store.tiers.moves == 0
+        assert shared.budget.used == shared.store.total()[1] == held
+        buf.cap_tier2(None)
+        for k in list(values)[6:]:
+            buf[k] = values[k]
+        for _ in range(14):
+            buf.evict()
+        assert shared.budget.used == shared.store.total()[1] <= shared.budget.limit
+        for k, v in values.items():
+            np.testing.assert_array_equal(buf[k], v)
+        buf.close()
+
+
+def test_reads_never_fail_while_another_thread_moves_files_down(shm_dir, disk_root):
+    # A write outside the buffer's lock (write-ahead, an offloaded export)
+    # relieves tier 2 while values are read: a file's new place and its new
+    # fingerprint are recorded one after the other, and a read between the
+    # two once raised SpillFileError ("replaced by another file").
+    import threading
+
+    buf = make_buffer(shm_dir, disk_root, budget=512 * MiB, target=1024 * MiB)
+    store = buf.store
+    n, errors, reads = 200, [], 0
+    moving = threading.Event()
+    stop = threading.Event()
+
+    def write_outside_the_lock() -> None:
+        v = np.ones(16 * 1024)
+        while not stop.is_set():
+            if moving.wait(0.05):
+                store.drop_file(store.write_file(("w", 0), v, only_shared=True))
+
+    writer = threading.Thread(target=write_outside_the_lock)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            store.tiers.cap(None)
+            for i in range(n):
+                buf[f"k{i}"] = np.full(16 * 1024, float(i))
+            for _ in range(n):
+                buf.evict()
+            start = store.tiers.moves
+            store.tiers.cap(0)
+            moving.set()
+            while store.tiers.moves - start < n - 2 and time.monotonic() < deadline:
+                i = min(n - 1, store.tiers.moves - start)
+                try:
+                    assert float(buf[f"k{i}"][5]) == i
+                    reads += 1
+                except Exception as e:  # noqa: BLE001 - counted, shown below
+                    errors.append(repr(e))
+            moving.clear()
+            for k in list(buf):
+                del buf[k]
+            flush_deletes()
+    finally:
+        stop.set()
+        moving.set()
+        writer.join()
+    assert reads > 1000
+    assert errors == [], (len(errors), errors[:1])
+    buf.close()
+
+
 def test_an_unspill_over_the_spill_threshold_evicts_older_values(shm_dir, disk_root):
     """Reads through a mapping can outpace the worker's memory monitor: after
     each unspill through a mapping the buffer evicts its least recently used

@@ -266,12 +266,26 @@ class SharedSpillStore(SpillStore):
 
     # -- reading -------------------------------------------------------------
 
+    def _verified_path(self, key: Key, name: str) -> str:
+        """The path of file ``name`` (of ``key``), checked against its
+        fingerprint; SpillFileError if it was tampered with. A mismatch is
+        checked again with no move between tiers under way: a move by another
+        thread changes the path and the fingerprint one after the other."""
+        path = str(self.files.path(name))
+        try:
+            integrity.verify(key, path, self.fingerprints.get(name))
+        except SpillFileError:
+            with self.tiers.settled():
+                path = str(self.files.path(name))
+                integrity.verify(key, path, self.fingerprints.get(name))
+        return path
+
     def load(self, key: Key) -> tuple[object, bool]:
         """Read a spilled key back. Returns ``(value, backed)``: ``backed`` is
         True when the value lives in a mapping of its file (the caller may then
         :meth:`retain` the file instead of deleting it)."""
         name = self.filenames[key]
-        integrity.verify(key, str(self.files.path(name)), self.fingerprints.get(name))
+        self._verified_path(key, name)
         if name not in self.shareable:
             cached = self._private_cache.get(key)
             if cached is not None:
@@ -311,7 +325,7 @@ class SharedSpillStore(SpillStore):
                 raise SpillFileError(f"the spilled file of key {key!r} ({path}) vanished")
         except KeyError:
             return  # deleted meanwhile
-        integrity.verify(key, path, self.fingerprints.get(name))
+        self._verified_path(key, name)
 
     # -- retained files --------------------------------------------------------
 
@@ -337,8 +351,7 @@ class SharedSpillStore(SpillStore):
         r = self.retained.get(key)
         if r is None or r.value_id != id(value):
             return False
-        integrity.verify(key, str(self.files.path(r.name)), self.fingerprints.get(r.name))
-        if dirty.written_in_place(str(self.files.path(r.name))):
+        if dirty.written_in_place(self._verified_path(key, r.name)):
             self.discard_retained(key)  # the caller writes the value as it is now
             return False
         del self.retained[key]
@@ -395,9 +408,8 @@ class SharedSpillStore(SpillStore):
         name = self.file_of(key)
         if name is None or name not in self.shareable:
             return None
+        file_path = self._verified_path(key, name)
         fingerprint = self.fingerprints.get(name)
-        file_path = str(self.files.path(name))
-        integrity.verify(key, file_path, fingerprint)
         memory, _ = self.files.sizes(name)
         r = self.retained.get(key)
         if r is not None and dirty.written_in_place(file_path):

@@ -312,7 +312,9 @@ class TieredFiles:
             moved, disk = move_entry(src.store, inner, dst.store)
         except (KeyError, OSError) as e:
             logger.warning("dask-shm: could not move %s to tier %d: %s", name, dst.number, e)
-            src.budget.remove(name)
+            # It stays here and counts here; pinned, so that it is not tried
+            # again at every write (the budget makes room with other files).
+            src.budget.pin(name)
             return False
         src.budget.remove(name)
         if dst.budget is not None:
@@ -543,19 +545,33 @@ class TieredFiles:
                 return None
             return str(tier.store.link_out(inner, tier.outgoing))
 
-    def read(self, name: str) -> list[memoryview]:
+    def settled(self) -> threading.RLock:
+        """Held, no file moves between tiers: where a file is and what
+        ``on_moved`` recorded about it agree."""
+        return self._lock
+
+    def _read(self, name: str, mapped: bool) -> list[memoryview]:
         index, inner = self._locate(name)
         tier = self.tiers[index]
         if tier.budget is not None:
             tier.budget.touch(name)
-        return tier.store.read(inner)
+        return tier.store.read_mapped(inner) if mapped else tier.store.read(inner)
+
+    def _read_settled(self, name: str, mapped: bool) -> list[memoryview]:
+        # Unlocked first: a move (another thread's write relieving the tier)
+        # may remove the file from where it was just located; then again
+        # with no move under way.
+        try:
+            return self._read(name, mapped)
+        except (KeyError, FileNotFoundError):
+            with self._lock:
+                return self._read(name, mapped)
+
+    def read(self, name: str) -> list[memoryview]:
+        return self._read_settled(name, mapped=False)
 
     def read_mapped(self, name: str) -> list[memoryview]:
-        index, inner = self._locate(name)
-        tier = self.tiers[index]
-        if tier.budget is not None:
-            tier.budget.touch(name)
-        return tier.store.read_mapped(inner)
+        return self._read_settled(name, mapped=True)
 
     def delete(self, name: str) -> tuple[int, int] | None:
         with self._lock:
