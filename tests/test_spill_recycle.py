@@ -139,6 +139,33 @@ def test_max_disk_holds_for_entries_and_pool_together(directory):
     np.testing.assert_array_equal(np.frombuffer(store.read(stored[0])[0], "u1"), value)
 
 
+def test_a_full_file_system_gives_up_the_pool_before_refusing_a_spill():
+    # A 3 MiB file pooled on a 4 MiB tmpfs: none of the later 0.9 MB values
+    # fits it, and writing them fresh ran out of space, so they stayed in
+    # memory (stock spills them all).
+    from distributed.spill import SpillBuffer as StockSpillBuffer
+    from tmpfs import small_tmpfs
+
+    values = {f"k{i}": payload(i, 900_000) for i in range(4)}
+    on_disk = {}
+    for cls in (StockSpillBuffer, SpillBuffer):
+        with small_tmpfs("4m") as root:
+            directory = os.path.join(root, "spill")
+            buf = cls(directory, target=MiB)
+            buf["big"] = payload(0, 3 * MiB)  # over target: straight to disk
+            del buf["big"]
+            for k, v in values.items():
+                buf[k] = v
+            while buf.fast:
+                assert buf.evict() > 0
+            on_disk[cls] = set(buf.slow)
+            if cls is SpillBuffer:
+                assert listing(directory)[1] == [], "the pool gave its file up"
+            for k, v in values.items():
+                np.testing.assert_array_equal(buf[k], v)
+    assert on_disk[SpillBuffer] == on_disk[StockSpillBuffer] == set(values)
+
+
 def test_a_truncated_pool_file_is_rewritten_whole(directory):
     store = FileStore(directory, recycle_bytes=64 * MiB)
     for cut in [0, 1000, 3 * MiB]:

@@ -139,6 +139,22 @@ impl Drop for FileStore {
     }
 }
 
+/// Write `slices` into a new private file at `tmp`; nothing is left there on error.
+fn write_fresh(tmp: &Path, slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    let mut file = create_private(tmp)?;
+    let written = write_all_vectored(&mut file, slices);
+    drop(file);
+    if written.is_err() {
+        let _ = fs::remove_file(tmp);
+    }
+    written
+}
+
+/// ENOSPC or EDQUOT: the file system (or the user's quota) is full.
+fn is_out_of_space(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+}
+
 /// Reject anything that is not a plain, visible file name inside the directory.
 pub fn check_name(name: &str) -> io::Result<()> {
     let bad = name.is_empty()
@@ -352,18 +368,26 @@ impl FileStore {
                 }
             }
         }
-        let mut file = create_private(&tmp)?;
-        match write_all_vectored(&mut file, &mut slices) {
-            Ok(()) => {
-                drop(file);
-                self.publish_tmp(&tmp, stem, n)
-            }
-            Err(e) => {
-                drop(file);
-                let _ = fs::remove_file(&tmp);
-                Err(e)
-            }
+        match write_fresh(&tmp, &mut slices.clone()) {
+            Ok(()) => return self.publish_tmp(&tmp, stem, n),
+            // The pool's files hold the space this one needs: give them up.
+            Err(e) if is_out_of_space(&e) && self.empty_pool() => {}
+            Err(e) => return Err(e),
         }
+        write_fresh(&tmp, &mut slices)?;
+        self.publish_tmp(&tmp, stem, n)
+    }
+
+    /// Delete every pooled file; whether there was any.
+    fn empty_pool(&self) -> bool {
+        let victims = match self.pool() {
+            Some(mut pool) => pool.trim_to(0),
+            None => return false,
+        };
+        for path in &victims {
+            let _ = fs::remove_file(path);
+        }
+        !victims.is_empty()
     }
 
     /// Publish the written temporary file and remove its temporary name.
