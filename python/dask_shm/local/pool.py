@@ -149,13 +149,11 @@ def new_pool(num_workers: int, initializer: Callable[[], None] | None) -> Proces
 
 
 def _key(num_workers: int, initializer: Callable[[], None] | None) -> tuple[Any, ...]:
-    return (
-        num_workers,
-        get_context().get_start_method(),
-        initializer,
-        _hash_seed(),
-        tuple(os.environ.get(name) for name in THREAD_VARIABLES),
-    )
+    # Under the lock: a pool starting in another thread has its thread
+    # limits in os.environ meanwhile, and they are not this caller's.
+    with _environ_lock:
+        threads = tuple(os.environ.get(name) for name in THREAD_VARIABLES)
+    return (num_workers, get_context().get_start_method(), initializer, _hash_seed(), threads)
 
 
 class Lease:
