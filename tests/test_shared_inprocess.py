@@ -109,3 +109,25 @@ async def test_stock_get_data_activities(c, s, a, b):
     x = c.submit(lambda: [str(i) for i in range(50_000)], workers=[a.address], key="strings")
     assert await c.submit(len, x, workers=[b.address]) == 50_000
     assert _get_data_activities(a) == STOCK_GET_DATA
+
+
+@two_workers_no_amm
+async def test_replicate_hands_each_file_to_the_worker_that_fetched_it(c, s, a, b):
+    # The scheduler's replicate fetches through a worker's gather handler;
+    # the handles it received once went to the process's last shared-mode
+    # worker: the fetching worker held a private copy and the other an
+    # orphan file, one value counted twice.
+    plugins = [SharedMemoryPlugin(), SharedMemoryPlugin()]
+    await plugins[0].setup(a)
+    await plugins[1].setup(b)
+    for holder, fetcher in ((a, b), (b, a)):
+        key = f"from-{holder.name}"
+        x = c.submit(make_array, 4 * MB, 2.0, workers=[holder.address], key=key)
+        await x
+        await c.replicate([x], n=2)
+        assert float(fetcher.data[key].sum()) == MB
+        assert key in fetcher.data.store.retained, "not backed by the received file"
+        assert a.data.pending_arrivals() == b.data.pending_arrivals() == 0
+    assert a.data.shm_counters["received_links"] == b.data.shm_counters["received_links"] == 1
+    plugins[0].teardown(a)
+    plugins[1].teardown(b)

@@ -77,7 +77,6 @@ def receive_fetches_into(
                     peer,
                     ", ".join(map(repr, list(dropped)[:3])),
                 )
-                buffer.shm_counters["unresolved_handles"] += len(dropped)
         elif isinstance(event, GatherDepFailureEvent):
             exc = _exception_of(event)
             if isinstance(exc, transfer.PeerReadError):
@@ -98,7 +97,10 @@ def drop_unresolved_updates(
     original_gather = worker.handlers["gather"]
 
     async def gather(who_has: dict) -> dict:
-        result = await original_gather(who_has=who_has)
+        # Into this worker's buffer: with several workers in one process,
+        # the process-wide default is another worker's.
+        with transfer.receiving_into(buffer):
+            result = await original_gather(who_has=who_has)
         lost = [k for k in who_has if k not in worker.data]
         if result.get("status") == "OK" and lost:
             return {"status": "partial-fail", "keys": lost}
@@ -108,7 +110,6 @@ def drop_unresolved_updates(
         dropped = transfer.drop_unresolved(data)
         if dropped:
             _refuse(registry, worker.address, ANY, buffer, tokens, dropped)
-            buffer.shm_counters["unresolved_handles"] += len(dropped)
             logger.warning(
                 "dask-shm: %d handle(s) could not be resolved (%s); not stored",
                 len(dropped),
@@ -129,10 +130,16 @@ def _refuse(
     tokens: dict[int, str],
     dropped: dict,
 ) -> None:
-    """Ask ``sender`` for bytes for the roots of the ``dropped`` handles."""
-    for token in {tokens.get(_tier_named(buffer, u.path)) for u in dropped.values()}:
-        if token is not None:
-            registry.refuse(address, sender, token)
+    """Count the ``dropped`` handles and ask ``sender`` for bytes for their
+    roots. Never raises: it runs where distributed expects an event back
+    (a fetch left without one waits forever)."""
+    buffer.shm_counters["unresolved_handles"] += len(dropped)
+    try:
+        for token in {tokens.get(_tier_named(buffer, u.path)) for u in dropped.values()}:
+            if token is not None:
+                registry.refuse(address, sender, token)
+    except Exception as e:  # a handle's path is the peer's word, not ours
+        logger.warning("dask-shm: could not ask %s for bytes: %r", sender, e)
 
 
 def _tier_named(buffer: SharedSpillBuffer, path: str) -> int:

@@ -524,8 +524,12 @@ class TieredFiles:
 
     def index_named(self, path: str) -> int:
         """Index of the linkable tier whose root holds ``path`` (the first
-        tier, where a root is inside another, the innermost), else 0."""
-        real = _real_path(path)
+        tier, where a root is inside another, the innermost), else 0 (also
+        for a path no file can have: a peer's handle is not trusted)."""
+        try:
+            real = _real_path(path)
+        except (ValueError, OSError):  # an embedded NUL, say
+            return 0
         found, depth = 0, -1
         for index, tier in enumerate(self.tiers):
             root = _real_directory(tier.root)
