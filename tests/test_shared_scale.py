@@ -317,11 +317,12 @@ def test_a_published_share_that_cannot_be_read_counts_nothing(shm_dir):
     """The nanny sums the numbers a worker process's buffers publish; a
     missing, empty or garbled file counts 0 and never raises."""
     base = os.path.join(shm_dir, f"dask-shm-{os.geteuid()}")
-    pid = 4242
+    pid = 4242424  # above the kernel's largest pid_max: no such process,
+    # so the directories' start times are not checked
     assert read_published_share(shm_dir, pid) == 0  # no user directory yet
     one = os.path.join(base, f"p-{pid}-100-aaaa")
     two = os.path.join(base, f"p-{pid}-200-bbbb")
-    other = os.path.join(base, f"p-{pid}1-100-cccc")  # pid 42421, not ours
+    other = os.path.join(base, f"p-{pid}1-100-cccc")  # another pid, not ours
     for d in (one, two, other):
         os.makedirs(d)
     for directory, name, text in [
@@ -338,6 +339,53 @@ def test_a_published_share_that_cannot_be_read_counts_nothing(shm_dir):
     assert read_published_share(shm_dir, pid) == 1031
 
 
+_PUBLISHER_IN_A_CONTAINER = """
+import os, sys, time
+from dask_shm.shared import paths
+from dask_shm.shared.published_share import SharePublisher, read_published_share, share_path
+root, mib, ready, go = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+publisher = SharePublisher(share_path(paths.subdir(root, "w")), lambda: mib * 2**20, lambda: None)
+publisher.start()
+open(ready, "w").close()
+while not os.path.exists(go):
+    time.sleep(0.05)
+print(os.getpid(), read_published_share(root, os.getpid()) // 2**20, flush=True)
+"""
+
+
+def test_a_nanny_counts_only_its_own_container_s_worker(shm_dir, tmp_path):
+    # Two containers (PID namespaces) sharing the root, each with a process
+    # of the same pid publishing a share: each reads only its own.
+    import subprocess
+    import sys
+
+    from namespaces import unavailable_reason
+
+    reason = unavailable_reason("--pid", "--fork", "--mount-proc")
+    if reason:
+        pytest.skip(reason)
+    go = tmp_path / "go"
+    procs, ready = [], []
+    for i, mib in enumerate((300, 7)):
+        ready.append(tmp_path / f"ready-{i}")
+        command = [sys.executable, "-c", _PUBLISHER_IN_A_CONTAINER, shm_dir, str(mib)]
+        procs.append(
+            subprocess.Popen(
+                ["unshare", "--pid", "--fork", "--mount-proc", *command, str(ready[-1]), str(go)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + 60
+    while not all(r.exists() for r in ready):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    go.touch()
+    answers = [p.communicate(timeout=60)[0].split() for p in procs]
+    assert answers[0][0] == answers[1][0], "not the same pid: the test proves nothing"
+    assert [int(a[1]) for a in answers] == [300, 7]
+
+
 def test_the_publisher_follows_the_share_and_refreshes_link_counts(shm_dir):
     share = [5]
     refreshes: list[float] = []
@@ -352,8 +400,9 @@ def test_the_publisher_follows_the_share_and_refreshes_link_counts(shm_dir):
     publisher.start()
 
     def published() -> str:
+        """The number (the PID namespace written after it aside)."""
         with open(path) as f:
-            return f.read()
+            return f.read().split()[0]
 
     assert published() == "5"  # at once
     share[0] = 123_456

@@ -22,6 +22,11 @@ is removed with it (or swept as a dead process's); the nanny only reads the
 directories of its current worker's pid; a missing, half-written or
 unreadable file counts 0 (a file is replaced by rename, so a reader sees the
 old number or the new one).
+
+Containers sharing one root often run workers with the same pid (each in a
+PID namespace of its own): the nanny reads only directories whose name has
+its worker's pid and start time, and a file counts only if the PID
+namespace written beside the number is the nanny's own (its worker's).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
+
+from dask_shm.shared.paths import ProcessIdentity, process_start_time
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +54,29 @@ def share_path(buffer_directory: str) -> str:
     return buffer_directory.rstrip(os.sep) + SUFFIX
 
 
+def pid_namespace() -> int | None:
+    """The identity (inode) of this process's PID namespace, if readable."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _parse(text: bytes, namespace: int | None) -> int:
+    """The number of a published file: ``<bytes>`` or ``<bytes> <pid
+    namespace>``; 0 for another namespace's. ValueError if garbled."""
+    parts = text.split()
+    if not parts:
+        return 0
+    if len(parts) > 1 and namespace is not None and int(parts[1]) != namespace:
+        return 0
+    return int(parts[0])
+
+
 def _process_dirs(root: str, pid: int) -> list[str]:
     base = os.path.join(root, f"dask-shm-{os.geteuid()}")
-    prefix = f"p-{pid}-"
+    start = process_start_time(pid)
+    prefix = f"p-{pid}-" if start is None else f"{ProcessIdentity(pid, start).dirname}-"
     try:
         with os.scandir(base) as it:
             return [e.path for e in it if e.name.startswith(prefix)]
@@ -58,11 +85,11 @@ def _process_dirs(root: str, pid: int) -> list[str]:
 
 
 def read_published_share(root: str, pid: int) -> int:
-    """Sum of the shares published by process ``pid``'s buffers under
-    ``root``; 0 if there are none. Lists only the user directory (one entry
-    per process) and the process's directories (one entry per buffer), reads
-    one small file per buffer. Never raises."""
-    total = 0
+    """Sum of the shares published by process ``pid`` (of this process's
+    PID namespace) under ``root``; 0 if there are none. Lists only the user
+    directory (one entry per process) and the process's directories (one
+    entry per buffer), reads one small file per buffer. Never raises."""
+    total, namespace = 0, pid_namespace()
     for directory in _process_dirs(root, pid):
         try:
             with os.scandir(directory) as it:
@@ -72,7 +99,7 @@ def read_published_share(root: str, pid: int) -> int:
         for path in published:
             try:
                 with open(path, "rb") as f:
-                    total += int(f.read(32) or 0)
+                    total += _parse(f.read(64), namespace)
             except (OSError, ValueError):
                 continue
     return total
@@ -104,6 +131,8 @@ class SharePublisher:
         self.refresh_interval = refresh_interval
         self._stop = threading.Event()
         self._published: int | None = None
+        namespace = pid_namespace()
+        self._suffix = "" if namespace is None else f" {namespace}"
         self._thread = threading.Thread(
             target=self._run, name=f"dask-shm share {os.path.basename(path)}", daemon=True
         )
@@ -123,7 +152,7 @@ class SharePublisher:
         tmp = f"{self.path}.tmp"
         try:
             with open(tmp, "w") as f:
-                f.write(str(value))
+                f.write(f"{value}{self._suffix}")
             os.replace(tmp, self.path)
         except OSError as e:
             logger.debug("dask-shm: cannot publish the share at %s: %s", self.path, e)
