@@ -204,6 +204,27 @@ def test_workers_memory_and_pending_visible_to_policies() -> None:
     assert s.take() == {("replicate", b.address, "x")}
 
 
+def test_workers_memory_copies_into_a_dict_as_stock_s_does() -> None:
+    # A policy planning ahead on a copy (stock's workers_memory is a dict):
+    # a view without copy() aborted the whole run.
+    s = FakeScheduler()
+    a = s.add_worker("a", 1000)
+    b = s.add_worker("b", 10)
+    ts = s.add_task("x", 7, [a])
+    copies: list[Any] = []
+
+    class Planner(ActiveMemoryManagerPolicy):
+        def run(self):
+            plan = self.manager.workers_memory.copy()
+            plan[a] += 1
+            copies.append(plan)
+            yield Suggestion("replicate", ts)
+
+    make(ours.ActiveMemoryManagerExtension, s, [Planner()]).run_once()
+    assert copies == [{a: 1001, b: 10}]
+    assert s.take() == {("replicate", b.address, "x")}
+
+
 def test_bad_suggestion_op_raises() -> None:
     s = FakeScheduler()
     a = s.add_worker("a", 1)

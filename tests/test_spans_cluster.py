@@ -428,6 +428,19 @@ async def test_install_carries_over_stock_state(c: Client, s: Scheduler, a: Work
 
 
 @gen_cluster(client=True)
+async def test_carried_over_spans_drop_departed_workers(c: Client, s: Scheduler, a, b):
+    with span("before"):
+        await c.submit(block, 8000, 1, workers=[b.address], key="on-b")
+    ours = install_scheduler_extension(s)
+    install_worker_extension(b)
+    await b.heartbeat()
+    (sp,) = ours.find_by_tags("before")
+    assert sp.held.memory == b.state.nbytes > 0
+    await s.remove_worker(b.address, stimulus_id="test")
+    assert sp.held.memory == 0  # read first, before any span created after install
+
+
+@gen_cluster(client=True)
 async def test_span_memory_needs_our_scheduler_extension(c: Client, s: Scheduler, a, b):
     with pytest.raises(RuntimeError, match="install_scheduler_extension"):
         await span_memory(c)

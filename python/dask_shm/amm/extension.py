@@ -163,6 +163,11 @@ class WorkersMemory(MutableMapping["WorkerState", int]):
     def __contains__(self, ws: object) -> bool:
         return ws in self._run
 
+    def copy(self) -> dict[WorkerState, int]:
+        """A plain dict of the figures now (stock's ``workers_memory`` is a
+        dict, and policies copy it to plan ahead)."""
+        return dict(self.items())
+
 
 class ActiveMemoryManagerExtension(stock.ActiveMemoryManagerExtension):
     """Drop-in for ``distributed.active_memory_manager.ActiveMemoryManagerExtension``.

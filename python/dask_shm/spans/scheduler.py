@@ -147,11 +147,13 @@ class SpansSchedulerExtension(_StockSchedulerExtension):
             parent=parent,
             total_nthreads_history=self.scheduler.total_nthreads_history,
         )
-        span._settle = self.forget_departed_workers
         self._register(span)
         return span
 
     def _register(self, span: Span) -> None:
+        # Spans carried over from a stock extension too: their figures must
+        # drop departed workers before they are read.
+        span._settle = self.forget_departed_workers
         self.spans[span.id] = span
         self.spans_search_by_name[span.name].append(span)
         for tag in span.name:
