@@ -6,6 +6,7 @@ import gc
 import os
 import tempfile
 import threading
+import time
 
 import dask
 import numpy as np
@@ -398,6 +399,39 @@ def test_a_received_container_written_in_place_keeps_the_write_as_in_stock(root,
     assert total_of(got)[0] == 99.0
     third["x"] = got
     assert third.shm_counters["received_links"] == 1
+
+
+def test_an_arrival_dropped_while_the_buffer_is_busy_never_blocks_the_dropper(root):
+    # The file of an arrival that dies unstored is deleted by a finalizer, in
+    # whatever thread drops the value: it must not wait there for the
+    # buffer's lock (that thread may hold a lock the lock's holder needs).
+    _, receiver, value = container_sent_by_link("dict")
+    directory = store_of(receiver).directory
+    busy, release = threading.Event(), threading.Event()
+
+    def hold_the_buffer() -> None:
+        with receiver._operation_lock:
+            busy.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_the_buffer)
+    holder.start()
+    busy.wait(10)
+    box = [value]
+    del value
+    dropper = threading.Thread(target=box.clear)  # drops the last reference
+    dropper.start()
+    dropper.join(10)
+    blocked = dropper.is_alive()
+    release.set()
+    holder.join()
+    assert not blocked, "the finalizer waited for the busy buffer"
+    deadline = time.monotonic() + 10
+    while receiver.pending_arrivals():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    flush_deletes()
+    assert os.listdir(directory) == []
 
 
 @pytest.mark.parametrize("kind", ["dict", "tuple"])

@@ -112,10 +112,23 @@ def _finish(done: Future[None]) -> None:
 
 def _abandoned(buffer_ref: weakref.ref[SharedSpillBuffer], stem: str, name: str) -> None:
     """The value of an arrival died before it was stored (fetch cancelled or
-    failed): delete its file now."""
+    failed): delete its file. A finalizer runs in whatever thread drops the
+    last reference, maybe one holding a lock the buffer's operations take
+    after their own: if the buffer's lock is busy, a thread of its own waits
+    for it."""
     buffer = buffer_ref()
-    if buffer is not None:
-        buffer._drop_arrival(stem, name)
+    if buffer is None:
+        return
+    lock = buffer._operation_lock
+    if lock.acquire(blocking=False):
+        try:
+            buffer._drop_arrival(stem, name)
+        finally:
+            lock.release()
+        return
+    threading.Thread(
+        target=buffer._drop_arrival, args=(stem, name), name="dask-shm abandoned", daemon=True
+    ).start()
 
 
 class SharedSpillBuffer(SpillBuffer):
