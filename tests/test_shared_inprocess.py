@@ -131,3 +131,24 @@ async def test_replicate_hands_each_file_to_the_worker_that_fetched_it(c, s, a, 
     assert a.data.shm_counters["received_links"] == b.data.shm_counters["received_links"] == 1
     plugins[0].teardown(a)
     plugins[1].teardown(b)
+
+
+@two_workers_no_amm
+async def test_a_value_that_cannot_be_exported_goes_as_bytes(c, s, a, b):
+    # Whatever export raises (here a bug of ours, simulated), the peer's
+    # fetch gets the value the stock way instead of failing.
+    plugins = [SharedMemoryPlugin(), SharedMemoryPlugin()]
+    await plugins[0].setup(a)
+    await plugins[1].setup(b)
+
+    def broken_export(key, tiers=None):
+        raise RuntimeError("export is broken")
+
+    a.data.export = broken_export
+    x = c.submit(make_array, 4 * MB, 3.0, workers=[a.address], key="x")
+    assert await c.submit(lambda v: float(v.sum()), x, workers=[b.address]) == 1.5 * MB
+    assert a.data.shm_counters["fallback_transfers"] == 1
+    assert a.data.shm_counters["link_transfers"] == 0
+    del a.data.export
+    plugins[0].teardown(a)
+    plugins[1].teardown(b)

@@ -642,7 +642,8 @@ class SharedSpillBuffer(SpillBuffer):
                     value = self.fast.d[key]
                     if store.write_born(key, value):  # no copy: under the locks
                         return self._exported(key, tiers)
-                except (MaxSpillExceeded, PickleError, OSError) as e:
+                except (MaxSpillExceeded, PickleError, OSError, ForgedHandleError) as e:
+                    # (ForgedHandleError: the sealed block could not be linked in)
                     return self._not_exported(key, e)
         try:
             name = store.write_file(key, value, only_shared=True)

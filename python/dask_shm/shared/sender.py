@@ -124,7 +124,10 @@ class _HandleSwappingComm:
             nbytes = self._private_nbytes(key, value)
             handle = None
             if nbytes is None or nbytes >= self._min_bytes:
-                handle = self._buffer.export(key, self._tiers)
+                try:
+                    handle = self._buffer.export(key, self._tiers)
+                except Exception:  # a transfer never fails because of us: bytes
+                    logger.warning("dask-shm: cannot hand %r over by link", key, exc_info=True)
             if handle is None:
                 counters["fallback_transfers"] += 1
                 counters["fallback_bytes"] += safe_sizeof(value) if nbytes is None else nbytes
