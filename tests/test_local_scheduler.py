@@ -793,3 +793,28 @@ def test_a_forked_pool_process_is_not_the_owner_of_the_files(shm_base: Path) -> 
     expected = dask.compute(*sums, scheduler="sync")
     with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as fork_pool:
         assert dask.compute(*sums, scheduler=get, pool=fork_pool) == expected
+
+
+def test_a_reference_outside_its_file_is_refused_and_keeps_nothing_mapped(
+    shm_base: Path,
+) -> None:
+    # A message naming a range its file does not have: loads raises
+    # ValueError, and no mapping made for it stays behind.
+    from dask_shm.local.transport import Transport
+
+    directory = ShmDirectory()
+    try:
+        transport = Transport(directory.path, threshold=1024)
+        payload, refs, msg_id, reply_to, pid, files = transport.dumps([big_array(1), big_array(2)])
+        assert len({r[0] for r in refs}) == 1 and len(refs) == 2
+        name, frame, start, stop = refs[1]
+        for bad in [(name, frame, start, stop + 8), (name, frame + 5, 0, 8)]:
+            for named in [(refs[0], bad), (bad, refs[0])]:
+                message = (payload, named, 0, 0, pid, ())
+                with pytest.raises(ValueError, match="outside frame"):
+                    transport.loads(message)
+        assert transport._ep.mapped_names() == ()
+        assert transport._ep.mappings == {}
+        transport.close(remove=False)
+    finally:
+        directory.close()

@@ -122,6 +122,14 @@ class _Mapping:
         self.live = 0
 
 
+def _check_range(
+    name: str, frames: list[tuple[int, int]], frame: int, start: int, stop: int
+) -> None:
+    """ValueError unless ``start:stop`` lies inside frame ``frame`` of ``frames``."""
+    if not 0 <= frame < len(frames) or not 0 <= start <= stop <= frames[frame][1]:
+        raise ValueError(f"reference {start}:{stop} outside frame {frame} of {name}")
+
+
 class _Endpoint:
     """Per-process, per-directory state: the file store this process writes
     with, the live mappings it can reuse, and (in the owner, i.e. the parent)
@@ -276,8 +284,12 @@ class _Endpoint:
         if self.is_owner:
             self._release([mapping.name])
 
-    def _map(self, name: str) -> _Mapping:
+    def _map(self, name: str, frame: int, start: int, stop: int) -> _Mapping:
+        """A new mapping of file ``name``, registered once the first range to
+        be handed out from it is known to be inside it (ValueError if not:
+        nothing is kept)."""
         mapped, base, frames = map_frames(os.path.join(self.directory, name))
+        _check_range(name, frames, frame, start, stop)
         mapping = _Mapping(name, mapped, base, frames)
         with self.lock:
             self.mappings[id(mapping)] = mapping
@@ -297,16 +309,15 @@ class _Endpoint:
         ranges = []
         for name, frame, start, stop in refs:
             for mapping, used in opened.get(name, ()):
-                offset, length = mapping.frames[frame]
+                _check_range(name, mapping.frames, frame, start, stop)
+                offset = mapping.frames[frame][0]
                 lo, hi = offset + start, offset + stop
                 if not any(lo < u_hi and u_lo < hi for u_lo, u_hi in used):
                     break
             else:
-                mapping, used = self._map(name), []
+                mapping, used = self._map(name, frame, start, stop), []
                 opened.setdefault(name, []).append((mapping, used))
-                offset, length = mapping.frames[frame]
-            if not 0 <= start <= stop <= length:
-                raise ValueError(f"reference {start}:{stop} outside frame {frame} of {name}")
+                offset = mapping.frames[frame][0]
             used.append((offset + start, offset + stop))
             key = id(mapping)
             rng = MappedRange(mapping.mapped, offset + start, stop - start)
