@@ -180,3 +180,40 @@ def test_a_tls_cluster_moves_values_by_link(shm_dir):
         assert links >= N_VALUES
         assert nbytes >= N_VALUES * VALUE_BYTES
     assert_nothing_left(shm_dir)
+
+
+def _spill_everything(dask_worker) -> int:  # type: ignore[no-untyped-def]
+    data = dask_worker.data
+    while data.fast:
+        data.evict()
+    return len(data.slow)
+
+
+def _data_kind(dask_worker) -> tuple[str, int]:  # type: ignore[no-untyped-def]
+    return type(dask_worker.data).__name__, len(dask_worker.data)
+
+
+def test_shared_mode_removed_from_a_running_cluster_keeps_every_value(shm_dir):
+    # Unregistering the plugin closed the buffer and deleted its files but
+    # left it as the workers' data: spilled values could not be read back
+    # (the gather hung), and nothing could be spilled any more.
+    from dask_shm import SharedMemoryPlugin
+
+    with process_cluster(2, "512MiB") as client:
+        client.register_plugin(SharedMemoryPlugin(root=shm_dir))
+        a, _ = worker_addresses(client)
+        futures = values_on(client, a)
+        assert client.run(_spill_everything, workers=[a])[a] == N_VALUES
+        client.unregister_worker_plugin("dask-shm-shared-memory")
+        assert set(client.run(_data_kind).values()) == {
+            ("SpillBuffer", N_VALUES),
+            ("SpillBuffer", 0),
+        }
+        assert_intact(futures)
+        assert client.run(_spill_everything, workers=[a])[a] == N_VALUES  # spills privately
+        assert_intact(futures)
+        # and shared mode can come back
+        client.register_plugin(SharedMemoryPlugin(root=shm_dir))
+        assert client.run(lambda dask_worker: dask_worker.data.shared, workers=[a])[a]
+        assert_intact(futures)
+    assert_nothing_left(shm_dir)

@@ -447,7 +447,7 @@ def test_a_worker_its_nanny_kills_at_close_leaves_nothing_on_either_root(shm_dir
     assert not os.path.isdir(peers) or os.listdir(peers) == []
 
 
-def test_a_nanny_plugin_removed_from_a_running_nanny_gives_its_kill_back(shm_dir, disk_root):
+def test_a_nanny_plugin_removed_from_a_running_nanny_gives_its_hooks_back(shm_dir, disk_root):
     from distributed import Nanny
 
     from dask_shm.shared import SharedMemoryNannyPlugin
@@ -459,7 +459,12 @@ def test_a_nanny_plugin_removed_from_a_running_nanny_gives_its_kill_back(shm_dir
     with dask.config.set(config), process_cluster(1, "512 MiB") as client:
         [nanny] = client.cluster.workers.values()
         assert nanny.kill.__func__ is Nanny.kill
+        stock_check = nanny.periodic_callbacks["memory_monitor"]
         client.register_plugin(SharedMemoryNannyPlugin(), name="shm-nanny")
         assert getattr(nanny.kill, "__func__", None) is not Nanny.kill
+        assert nanny.periodic_callbacks["memory_monitor"] is not stock_check
         client.unregister_worker_plugin("shm-nanny", nanny=True)
         assert nanny.kill.__func__ is Nanny.kill
+        # and its terminate check (ours counts the worker's tmpfs share)
+        assert nanny.periodic_callbacks["memory_monitor"] is stock_check
+        assert stock_check.is_running()

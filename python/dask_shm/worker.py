@@ -111,13 +111,21 @@ class SpillBufferPlugin(WorkerPlugin):
     def setup(self, worker: Worker) -> None:
         if isinstance(worker.memory_manager.data, SpillBuffer):
             return
-        target = target_from_config(worker.memory_manager.memory_limit)
-        if target is None:
+        buffer = private_spill_buffer(worker)
+        if buffer is None:
             logger.info("dask-shm: spilling is disabled on %s; keeping its data mapping", worker)
             return
-        buffer = SpillBuffer(
-            os.path.join(worker.local_directory, "storage-dask-shm"),
-            target=target,
-            max_spill=worker.memory_manager.max_spill,
-        )
         install_spill_buffer(worker, buffer)
+
+
+def private_spill_buffer(worker: Worker) -> SpillBuffer | None:
+    """A new :class:`dask_shm.SpillBuffer` for ``worker``, sized from its
+    memory limit and memory config; None where those disable spilling."""
+    target = target_from_config(worker.memory_manager.memory_limit)
+    if target is None:
+        return None
+    return SpillBuffer(
+        os.path.join(worker.local_directory, "storage-dask-shm"),
+        target=target,
+        max_spill=worker.memory_manager.max_spill,
+    )

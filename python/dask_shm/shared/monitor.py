@@ -179,17 +179,41 @@ class _PrivateMemoryTerminator:
             process.kill()
 
 
+#: nanny -> (its stock terminate check, ours in its place)
+_replaced: weakref.WeakKeyDictionary[Nanny, tuple[PeriodicCallback, PeriodicCallback]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def install_nanny_monitor(nanny: Nanny, root: str | None) -> bool:
     """Replace the nanny's terminate check (counting the worker's share of
     files under ``root`` too, unless None); False if the nanny has none (no
-    memory limit, or terminate disabled)."""
+    memory limit, or terminate disabled). Undo with :func:`uninstall_nanny_monitor`."""
     stock = nanny.periodic_callbacks.get("memory_monitor")
     if stock is None:
         return False
+    if nanny in _replaced:
+        return True
     was_running = stock.is_running()
     stock.stop()
     ours = PeriodicCallback(_PrivateMemoryTerminator(nanny, root), stock.callback_time)
     nanny.periodic_callbacks["memory_monitor"] = ours
+    _replaced[nanny] = (stock, ours)
     if was_running:
         ours.start()
     return True
+
+
+def uninstall_nanny_monitor(nanny: Nanny) -> None:
+    """Give the nanny its stock terminate check back (running if ours was)."""
+    replaced = _replaced.pop(nanny, None)
+    if replaced is None:
+        return
+    stock, ours = replaced
+    if nanny.periodic_callbacks.get("memory_monitor") is not ours:
+        return  # replaced by someone else since: theirs now
+    was_running = ours.is_running()
+    ours.stop()
+    nanny.periodic_callbacks["memory_monitor"] = stock
+    if was_running:
+        stock.start()

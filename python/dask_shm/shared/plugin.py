@@ -59,7 +59,9 @@ class SharedMemoryPlugin(WorkerPlugin):
     files (tier 2, within a budget from ``shm.shared-memory.max-bytes``; one
     warning if the root is too small); publishes metrics (``get_metrics()["shm"]``, Prometheus
     ``dask_shm_worker_*``). On teardown (worker closing) it undoes that and
-    deletes the worker's files (links held by peers keep their data alive).
+    deletes the worker's files (links held by peers keep their data alive);
+    removed from a running worker (``client.unregister_worker_plugin``), it
+    first moves the worker's keys into a private :class:`~dask_shm.SpillBuffer`.
 
     Raises ValueError at setup for an invalid ``shm.shared-memory.*`` value.
     When the root is unusable (not Linux, missing, not tmpfs) it logs a
@@ -212,6 +214,13 @@ class SharedMemoryPlugin(WorkerPlugin):
         buffer = self._buffer
         if transfer.receiver() is buffer:
             transfer.enable_receiving(None)
+        if worker.data is buffer and worker.status not in (Status.closing, Status.closed):
+            from dask_shm.worker import install_spill_buffer, private_spill_buffer
+
+            # Removed from a running worker: its keys move to a private
+            # buffer (read back one at a time) before their files go.
+            private = private_spill_buffer(worker)
+            install_spill_buffer(worker, {} if private is None else private)
         buffer.close()
         for tier in buffer.store.tiers.tiers:
             shutil.rmtree(tier.directory, ignore_errors=True)
@@ -331,6 +340,7 @@ class SharedMemoryNannyPlugin(NannyPlugin):
             if nanny.kill is kill_then_sweep:
                 nanny.kill = kill  # type: ignore[method-assign,assignment]
             self._kill = None
+            monitor.uninstall_nanny_monitor(nanny)
 
 
 async def sweep_off_the_loop(tiers: list[TierSpec]) -> int:
