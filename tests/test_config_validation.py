@@ -52,6 +52,14 @@ LEAF_KEYS = [k for k in known_keys() if not any(o.startswith(k + ".") for o in k
         ("shm.shared-memory.born-budget", -1, BornSettings.from_config),
         ("shm.prometheus.span-retention", -1, retention),
         ("shm.prometheus.span-retention", "-1 s", retention),
+        # what dask's parse_bytes reads as 1 byte, 1024 bytes and 0 bytes,
+        # or fails on with OverflowError
+        ("shm.shared-memory.max-bytes", "", shared),
+        ("shm.shared-memory.min-size", "KiB", shared),
+        ("shm.shared-memory.max-bytes", "0.3", shared),
+        ("shm.shared-memory.min-size", "1e400KiB", shared),
+        ("shm.shared-memory.born-budget", "1.5 B", BornSettings.from_config),
+        ("shm.prometheus.span-retention", "1e400 s", retention),
     ],
 )
 def test_bad_values_are_refused_naming_key_value_and_what_is_accepted(
@@ -60,6 +68,32 @@ def test_bad_values_are_refused_naming_key_value_and_what_is_accepted(
     with dask.config.set({key: value}), pytest.raises(ValueError) as info:
         read()
     assert str(info.value) == f"config {key} must be {accepted(key)}; got {value!r}"
+
+
+def test_a_section_set_to_a_value_is_refused_naming_it() -> None:
+    # dask reads every key under such a section as unset: the shipped
+    # defaults applied without a word (DASK_SHM__SHARED_MEMORY=True).
+    with dask.config.set({"shm.shared-memory": True}), pytest.raises(ValueError) as info:
+        shared()
+    assert str(info.value) == "config shm.shared-memory must be a mapping of its keys; got True"
+
+
+def test_a_section_set_to_a_value_by_environment_is_refused_naming_it() -> None:
+    # Set before dask-shm is imported, the value is replaced by the
+    # defaults' mapping when they are registered; it is remembered.
+    import subprocess
+    import sys
+
+    code = (
+        "from dask_shm.config import SharedMemorySettings\n"
+        "try:\n    SharedMemorySettings.from_config()\n"
+        "except ValueError as e:\n    print(e)\n"
+    )
+    env = {"DASK_SHM__SHARED_MEMORY": "True", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "config shm.shared-memory must be a mapping of its keys; got True"
 
 
 @pytest.mark.parametrize(

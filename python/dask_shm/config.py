@@ -85,6 +85,7 @@ def setting(key: str) -> object:
     accepted (:func:`invalid`); KeyError for a key the schema does not describe.
     """
     validate = _validator(key)
+    _check_sections(key)
     value = dask.config.get(key, default=shipped_default(key))
     raw = _plain_number(value)
     try:
@@ -92,6 +93,18 @@ def setting(key: str) -> object:
     except fastjsonschema.JsonSchemaException:
         raise invalid(key, value) from None
     return raw
+
+
+def _check_sections(key: str) -> None:
+    """ValueError if a section above ``key`` is set to something that is not
+    a mapping (``DASK_SHM__SHARED_MEMORY=True``): dask would read every key
+    under it as unset, and the shipped defaults would apply without a word."""
+    parts = key.split(".")
+    for end in range(1, len(parts)):
+        section = ".".join(parts[:end])
+        value = _scalar_sections.get(section, dask.config.get(section, default=None))
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"config {section} must be a mapping of its keys; got {value!r}")
 
 
 def _plain_number(value: object) -> object:
@@ -121,8 +134,8 @@ def byte_size(value: object, name: str) -> int:
     n: int | float
     if isinstance(value, str):
         try:
-            n = parse_bytes(value)
-        except ValueError:
+            n = _exact_bytes(value)
+        except (ValueError, OverflowError):
             raise ValueError(
                 f"{name} must be a byte size such as 1073741824 or '1GiB'; got {value!r}"
             ) from None
@@ -135,6 +148,19 @@ def byte_size(value: object, name: str) -> int:
     if not math.isfinite(n) or n < 0 or n != int(n):
         raise ValueError(f"{name} must be a whole number of bytes >= 0; got {value!r}")
     return int(n)
+
+
+def _exact_bytes(text: str) -> float:
+    """The size ``text`` states, read as ``dask.utils.parse_bytes`` splits it
+    (a number, then a unit) but not rounded down to whole bytes, and with a
+    number required: ``parse_bytes`` reads ``""`` as 1 byte, ``"KiB"`` as
+    1024 and ``"0.3"`` as 0. ValueError if it is not a size."""
+    compact = text.replace(" ", "")
+    number = compact.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = compact[len(number) :]
+    if not any(c.isdigit() for c in number):
+        raise ValueError(text)
+    return float(number) * parse_bytes(f"1{unit}")
 
 
 def spill_limit(value: object, name: str = "max_spill") -> int | Literal[False]:
@@ -201,9 +227,27 @@ def closest_known_key(key: str) -> str | None:
     return matches[0] if matches else None
 
 
+#: Sections the user had set to something other than a mapping when the
+#: defaults were registered (which replaces such a value by the defaults'
+#: mapping): section -> the value, reported by :func:`setting`.
+_scalar_sections: dict[str, object] = {}
+
+
+def _find_scalar_sections(config: object, schema: dict, prefix: str) -> None:
+    if not isinstance(config, dict):
+        if config is not None:
+            _scalar_sections[prefix] = config
+        return
+    for name, sub in schema.get("properties", {}).items():
+        if sub.get("type") == "object":
+            value = config.get(name, config.get(name.replace("-", "_")))
+            _find_scalar_sections(value, sub, f"{prefix}.{name}")
+
+
 def load_defaults() -> None:
     """Register the shipped defaults with dask's config (idempotent); values
     the user already set take precedence."""
+    _find_scalar_sections(dask.config.config.get("shm"), _schema_of("shm"), "shm")
     dask.config.update_defaults(DEFAULTS)
 
 
@@ -246,9 +290,10 @@ def setting_duration(key: str) -> float:
         if isinstance(raw, bool):
             raise TypeError
         seconds = parse_timedelta(cast("str | float", raw), default="seconds")
-    except (TypeError, ValueError, KeyError):  # KeyError: an unknown time unit
+    except (TypeError, ValueError, KeyError, OverflowError):  # KeyError: an unknown unit
         raise invalid(key, raw) from None
-    if seconds is None or seconds < 0:  # a string such as "-1 s" (the schema checks numbers)
+    # a string such as "-1 s" or "1e400 s" (the schema checks numbers)
+    if seconds is None or not 0 <= seconds < math.inf:
         raise invalid(key, raw)
     return float(seconds)
 

@@ -295,7 +295,8 @@ def _config_errors() -> tuple[SharedMemorySettings | None, BornSettings | None, 
             check()
         except ValueError as e:
             errors.append(str(e))
-    return settings, born, errors
+    # once each (a section set to a scalar fails every check that reads under it)
+    return settings, born, list(dict.fromkeys(errors))
 
 
 def dead_files(tier: str, root: str) -> DeadFiles:
