@@ -20,6 +20,7 @@ from test_shared_lifecycle import files_under
 from test_spill_parity import check_same_state
 
 from dask_shm import SpillBuffer
+from dask_shm._core import flush_deletes
 
 #: Each test takes about a minute on the 2-core dev box, alone; CI runs
 #: distributed's tests beside it.
@@ -91,4 +92,5 @@ def test_a_hundred_thousand_shared_keys_are_held_and_leave_no_file(shm_dir, shar
         del buf[key_of(i)]
     assert len(buf) == 0
     assert buf.spilled_total.memory == buf.spilled_total.disk == 0
+    flush_deletes()  # files are deleted off the caller's thread
     assert files_under(shm_dir) == []
