@@ -166,11 +166,24 @@ pub fn parse_layout(header: &[u8], file_size: u64) -> Result<Layout, FormatError
     let lengths: Vec<u64> = (0..count as usize)
         .map(|i| read_u64(header, PREFIX as usize + 8 * i))
         .collect();
-    if lengths.iter().any(|&l| l > file_size) {
-        return Err(FormatError::SizeMismatch {
-            expected: lengths.iter().fold(0u64, |a, &l| a.saturating_add(l)),
-            actual: file_size,
-        });
+    // Laid out with checked sums first: lengths summing past u64 (a forged
+    // header on a sparse file) must not wrap around to the file's size.
+    let mut end = header_len_for(count);
+    for &len in &lengths {
+        let offset = if len >= ALIGN_MIN_LEN {
+            end.checked_next_multiple_of(ALIGN)
+        } else {
+            Some(end)
+        };
+        match offset.and_then(|o| o.checked_add(len)) {
+            Some(next) if next <= file_size => end = next,
+            _ => {
+                return Err(FormatError::SizeMismatch {
+                    expected: lengths.iter().fold(0u64, |a, &l| a.saturating_add(l)),
+                    actual: file_size,
+                })
+            }
+        }
     }
     let layout = Layout::for_lengths(&lengths);
     if layout.file_size != file_size {
@@ -185,6 +198,22 @@ pub fn parse_layout(header: &[u8], file_size: u64) -> Result<Layout, FormatError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lengths_summing_past_u64_are_refused() {
+        // Two frames whose aligned ends wrap around to the claimed file size.
+        let file_size: u64 = 1 << 45;
+        let big = u64::MAX - (1 << 44);
+        let mut header = Vec::new();
+        header.extend_from_slice(MAGIC);
+        header.extend_from_slice(&2u32.to_le_bytes());
+        header.extend_from_slice(&big.to_le_bytes());
+        header.extend_from_slice(&big.to_le_bytes());
+        assert!(matches!(
+            parse_layout(&header, file_size),
+            Err(FormatError::SizeMismatch { .. })
+        ));
+    }
 
     #[test]
     fn small_frames_are_packed_like_stock() {

@@ -39,19 +39,39 @@ pub fn pages_unmodified(addr: usize, len: usize) -> io::Result<bool> {
     if len == 0 {
         return Ok(true);
     }
+    let end = addr.checked_add(len - 1).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "address range past the end of memory",
+        )
+    })?;
     let page = page_size();
-    let first = addr / page;
-    let last = (addr + len - 1) / page;
-    let mut entries = vec![0u8; (last - first + 1) * 8];
+    let (first, last) = (addr / page, end / page);
     let pagemap = File::open("/proc/self/pagemap")?;
-    pagemap.read_exact_at(&mut entries, (first * 8) as u64)?;
-    Ok(entries.chunks_exact(8).all(|chunk| {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(chunk);
-        let entry = u64::from_le_bytes(word);
-        let written = entry & PM_SWAPPED != 0 || (entry & PM_PRESENT != 0 && entry & PM_FILE == 0);
-        !written
-    }))
+    // In chunks: a range is a few pages, or a caller's mistake that must not
+    // allocate its size in entries.
+    let mut entries = vec![0u8; 8 * PAGEMAP_CHUNK.min(last - first + 1)];
+    let mut start = first;
+    while start <= last {
+        let count = PAGEMAP_CHUNK.min(last - start + 1);
+        let chunk = &mut entries[..8 * count];
+        pagemap.read_exact_at(chunk, (start as u64) * 8)?;
+        if chunk.chunks_exact(8).any(page_written) {
+            return Ok(false);
+        }
+        start += count;
+    }
+    Ok(true)
+}
+
+/// Pagemap entries read at a time by [`pages_unmodified`].
+const PAGEMAP_CHUNK: usize = 4096;
+
+fn page_written(entry: &[u8]) -> bool {
+    let mut word = [0u8; 8];
+    word.copy_from_slice(entry);
+    let entry = u64::from_le_bytes(word);
+    entry & PM_SWAPPED != 0 || (entry & PM_PRESENT != 0 && entry & PM_FILE == 0)
 }
 
 #[cfg(test)]
@@ -59,6 +79,12 @@ mod tests {
     use super::*;
     use crate::format::FormatError;
     use crate::store::{FileStore, PutOutcome};
+
+    #[test]
+    fn a_range_past_the_end_of_memory_is_an_error_not_a_panic() {
+        let err = pages_unmodified(usize::MAX - 10, 100).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    }
 
     #[test]
     fn written_pages_are_detected() {

@@ -523,7 +523,9 @@ impl FileStore {
     pub fn link_out(&self, name: &str, dir: &Path) -> Result<PathBuf, StoreError> {
         self.check_known(name)?;
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let dest = dir.join(format!("{}-{n}", std::process::id()));
+        // The store's tag, not only the pid: every store of a process links
+        // into the same directory, each with a counter of its own.
+        let dest = dir.join(format!("{}-{n}", self.tag));
         fs::hard_link(self.path_of(name), &dest)?;
         let links = self.links_on_disk(name);
         self.ledger().mark_shared(name, links);
@@ -827,6 +829,21 @@ mod tests {
         store.delete_taken(&taken).unwrap();
         assert!(!store.path_of(&name).exists());
         store.delete_taken(&taken).unwrap(); // already gone: not an error
+    }
+
+    #[test]
+    fn stores_of_one_process_link_out_into_one_directory() {
+        // Each store counts its links from 1: the names once collided.
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        prepare_directory(&out).unwrap();
+        let one = FileStore::open(tmp.path().join("one")).unwrap();
+        let two = FileStore::open(tmp.path().join("two")).unwrap();
+        let (a, _) = stored(one.put("a", &[&[1u8; 100]], 1, None).unwrap());
+        let (b, _) = stored(two.put("b", &[&[2u8; 100]], 1, None).unwrap());
+        let first = one.link_out(&a, &out).unwrap();
+        let second = two.link_out(&b, &out).unwrap();
+        assert_ne!(first, second);
     }
 
     #[test]

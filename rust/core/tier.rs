@@ -29,7 +29,12 @@ pub fn move_entry(
         let reader = src.open_entry(name)?;
         dst.put_copy(stem, &reader.file, reader.size, memory)?
     };
-    src.remove(name)?;
+    if src.remove(name)?.is_none() {
+        // Removed from `src` by another thread during the copy: the copy
+        // must not bring it back.
+        let _ = dst.remove(&moved.0);
+        return Err(StoreError::Missing(name.to_owned()));
+    }
     Ok(moved)
 }
 
@@ -214,6 +219,31 @@ impl TierBudget {
 mod tests {
     use super::*;
     use crate::store::PutOutcome;
+
+    #[test]
+    fn an_entry_removed_during_its_move_is_not_brought_back() {
+        use std::sync::{Arc, Barrier};
+        let tmp = tempfile::tempdir().unwrap();
+        let src = Arc::new(FileStore::open(tmp.path().join("src")).unwrap());
+        let dst = Arc::new(FileStore::open(tmp.path().join("dst")).unwrap());
+        let data = vec![7u8; 8 << 20];
+        for i in 0..20 {
+            let name = put(&src, &format!("k{i}"), &data);
+            let start = Arc::new(Barrier::new(2));
+            let (s, d, n, b) = (src.clone(), dst.clone(), name.clone(), start.clone());
+            let mover = std::thread::spawn(move || {
+                b.wait();
+                move_entry(&s, &n, &d).is_ok()
+            });
+            start.wait();
+            std::thread::sleep(std::time::Duration::from_micros(300));
+            let deleted = src.remove(&name).unwrap().is_some();
+            let moved = mover.join().unwrap();
+            // exactly one of them had the entry
+            assert!(moved != deleted, "moved {moved}, deleted {deleted}");
+        }
+        assert_eq!(src.len(), 0);
+    }
 
     fn put(store: &FileStore, stem: &str, bytes: &[u8]) -> String {
         match store.put(stem, &[bytes], 7, None).unwrap() {
