@@ -4,6 +4,7 @@ files, real mappings, real numpy handler API)."""
 from __future__ import annotations
 
 import contextvars
+import errno
 import os
 import shutil
 import stat
@@ -24,7 +25,7 @@ from clusters import process_cluster, worker_addresses
 from distributed.utils_test import gen_cluster, gen_test
 from tmpfs import shmem_forced_huge
 
-from dask_shm._core import born_stats, read_peer_file
+from dask_shm._core import born_stats, flush_deletes, read_peer_file
 from dask_shm.shared import born, born_worker, paths
 from dask_shm.spill_store import frames_to_object, serialize_unsplit
 
@@ -561,6 +562,46 @@ def test_store_spill_of_a_born_array_meters_one_header_write(
     store["y"] = np.ones(MiB // 4)  # an ordinary array: the ordinary write
     assert store.cumulative_metrics["disk-write", "bytes"] > 2 * MiB
     np.testing.assert_array_equal(store["x"], store["y"])
+
+
+def test_a_second_key_on_a_sealed_block_gets_a_file_of_its_own(
+    arena: str, shm_dir: str, tmp_path: Any
+) -> None:
+    # Two keys on one block (an identity or full-slice task): the second was
+    # linked to the first's sealed file, missing what was written in place
+    # since (and failing to spill at all once that file was gone).
+    store = _store(shm_dir, tmp_path)
+    with born.allocating():
+        a = np.full(MiB // 4, 3.0)
+    store["A"] = a
+    b = a[:]
+    b[0] = 99.0  # the owner's write: private since the seal
+    store["B"] = b
+    assert store["B"][0] == 99.0
+    assert store["A"][0] == 3.0
+    del store["A"]
+    flush_deletes()
+    store["C"] = b  # its first file is gone: a file of its own again
+    assert store["C"][0] == 99.0
+
+
+def test_a_born_block_that_cannot_be_sealed_is_written_the_ordinary_way(
+    arena: str, shm_dir: str, tmp_path: Any, monkeypatch: Any
+) -> None:
+    # (a full root, say): the value once could not be spilled at all, and
+    # stayed at the head of the buffer's LRU, so nothing after it could.
+    from dask_shm.shared import born_store
+
+    def no_space(self: Any) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(born_store.BornFile, "seal", no_space)
+    store = _store(shm_dir, tmp_path)
+    with born.allocating():
+        a = np.full(MiB // 4, 5.0)
+    store["x"] = a
+    assert not born.whole_block(a).sealed
+    np.testing.assert_array_equal(store["x"], np.full(MiB // 4, 5.0))
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:

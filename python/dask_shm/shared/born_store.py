@@ -50,7 +50,9 @@ def born_file(value: object) -> BornFile | None:
     from dask_shm.spill_store import serialize_unsplit
 
     block = born.whole_block(value)
-    if block is None:
+    if block is None or block.sealed or not block.owned:
+        # Sealed already (another key's file, which may have changed or gone
+        # since): this key's value gets a file of its own.
         return None
     kind = _kind(value, block)
     prefix = None if kind is None else _PREFIXES.get(kind)

@@ -20,6 +20,7 @@ file with k hard links counts 1/k here.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import weakref
 from collections import defaultdict
@@ -33,7 +34,7 @@ from distributed.metrics import context_meter
 from distributed.sizeof import safe_sizeof
 
 from dask_shm import arrow_pool
-from dask_shm._core import SpillFileError, live_mappings
+from dask_shm._core import ForgedHandleError, SpillFileError, live_mappings
 from dask_shm.shared import born, born_store, dirty, integrity
 from dask_shm.shared.payload import read_tracking_mapping, worth_sharing
 from dask_shm.shared.tiers import TieredFiles
@@ -47,6 +48,8 @@ from dask_shm.spill_store import (
     serialize_unsplit,
 )
 from dask_shm.sysctl import max_map_count
+
+logger = logging.getLogger(__name__)
 
 
 def map_budget(max_maps: int | None = None) -> int:
@@ -227,11 +230,12 @@ class SharedSpillStore(SpillStore):
         registers or retains it), or None when ``value`` is not a whole
         born-shared numpy array whose serialized payload is the block itself,
         or when the first tier has no room for the file after moving a step
-        of unmapped files down (about the file's size; the caller then writes
-        a file the ordinary way).
+        of unmapped files down (about the file's size), or when sealing or
+        linking the block fails (a full root, its file gone: the block is
+        then sealed but still the arena's, and the value is unchanged); the
+        caller then writes a file the ordinary way.
         Raises MaxSpillExceeded when the file would take the store past its
-        ``max_weight``; OSError or ForgedHandleError if linking fails (the
-        block is then sealed but still the arena's, and the value is unchanged)."""
+        ``max_weight``."""
         found = born_store.born_file(value)
         if found is None:
             return None
@@ -240,10 +244,14 @@ class SharedSpillStore(SpillStore):
             raise MaxSpillExceeded(key)
         if not self.tiers.make_room(size):
             return None  # no room in the first tier after moving a step of files down
-        path = found.seal()
-        if path is None:
+        try:
+            path = found.seal()
+            if path is None:
+                return None
+            name, _ = self.tiers.adopt(path, size, file_stem(key), safe_sizeof(value))
+        except (OSError, ForgedHandleError) as e:
+            logger.info("dask-shm: %r is written the ordinary way: %s", key, e)
             return None
-        name, _ = self.tiers.adopt(path, size, file_stem(key), safe_sizeof(value))
         found.hand_over(value, self.files.path(name))
         self.shareable[name] = found.payload
         return name
