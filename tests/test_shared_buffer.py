@@ -40,8 +40,8 @@ def root(shm_dir, tmp_path):
     transfer.enable_receiving(None)
 
 
-def shared_buffer(target: int = 50 * MB) -> SharedSpillBuffer:
-    buf = SharedSpillBuffer.from_config(target)
+def shared_buffer(target: int = 50 * MB, max_spill: int | bool = False) -> SharedSpillBuffer:
+    buf = SharedSpillBuffer.from_config(target, max_spill)  # type: ignore[arg-type]
     assert buf.shared
     transfer.enable_receiving(buf)
     return buf
@@ -575,3 +575,23 @@ def test_many_threads_keep_values_and_accounting_consistent(root):
     assert buf.spilled_total.disk == expected_disk
     for key in list(buf):
         assert (buf[key] == hash(key) % 97.0).all()
+
+
+def test_max_spill_bounds_spilled_files_not_those_of_values_read_back(root, caplog):
+    # A value read back through a mapping keeps its file (stock deletes it);
+    # counted against max_spill, those files once left no room to spill
+    # anything else, and a worker paused for good where stock finished.
+    buf = shared_buffer(target=4 * MB, max_spill=int(3.5 * MB))
+    values = {f"k{i}": np.full(MB // 8, float(i)) for i in range(9)}
+    for k in list(values)[:6]:
+        buf[k] = values[k]
+    for k in ["k0", "k1", "k2"]:
+        np.testing.assert_array_equal(buf[k], values[k])  # read back: retained
+    assert set(buf.store.retained) == {"k0", "k1", "k2"}
+    for k in ["k6", "k7", "k8"]:
+        buf[k] = values[k]
+    spilled = {k: buf.store.files.sizes(buf.store.filenames[k])[1] for k in buf.slow}
+    assert len(spilled) >= 3, "nothing could be spilled"
+    assert sum(spilled.values()) <= 3.5 * MB  # and the limit holds for them
+    for k, v in values.items():
+        np.testing.assert_array_equal(buf[k], v)

@@ -294,6 +294,12 @@ class SpillStore(MutableMapping[Key, object]):
     def total_weight(self) -> SpilledSize:
         return SpilledSize(*self.files.total())
 
+    def _unspilled_disk(self) -> int:
+        """Bytes on disk of files whose values are in memory (none here; a
+        shared store keeps files of values read back): ``max_weight`` bounds
+        the spilled ones only, as stock's ``max_spill`` does."""
+        return 0
+
     def _record(self, label: Hashable, value: float, unit: str) -> None:
         self.cumulative_metrics[label, unit] += value  # type: ignore[index]
 
@@ -331,7 +337,7 @@ class SpillStore(MutableMapping[Key, object]):
     def _write(self, key: Key, frames: list, memory: int) -> str:
         """Write ``frames`` to a new file for ``key``; returns its name.
         Raises MaxSpillExceeded or OSError."""
-        max_disk = None if self.max_weight is False else self.max_weight
+        max_disk = None if self.max_weight is False else self.max_weight + self._unspilled_disk()
         start = perf_counter()
         stored = None
         try:

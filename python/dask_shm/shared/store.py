@@ -78,6 +78,8 @@ class Retained:
     value_id: int
     memory: int
     shareable: int
+    #: its bytes on disk as counted when it was retained (left out of max_weight)
+    disk: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class SharedSpillStore(SpillStore):
         self.shareable: dict[str, int] = {}
         #: keys in memory whose file is kept, least recently used first
         self.retained: dict[Key, Retained] = {}
+        self._retained_disk = 0
         #: private values read back and still referenced elsewhere
         self._private_cache: weakref.WeakValueDictionary[Key, object] = (
             weakref.WeakValueDictionary()
@@ -240,7 +243,7 @@ class SharedSpillStore(SpillStore):
         if found is None:
             return None
         size = found.size
-        if self.max_weight is not False and self.files.total()[1] + size > self.max_weight:
+        if self.max_weight is not False and self._spilled_disk() + size > self.max_weight:
             raise MaxSpillExceeded(key)
         if not self.tiers.make_room(size):
             return None  # no room in the first tier after moving a step of files down
@@ -344,25 +347,33 @@ class SharedSpillStore(SpillStore):
         for a file of a tier that is not RAM)."""
         if name is None:
             name = self.filenames.pop(key)
-        memory, _ = self.files.sizes(name)
+        memory, disk = self.files.sizes(name)
         # A mapping of a file on a real file system is page cache the process's
         # RSS counts (RssFile), so such a value weighs its full size, like a
         # private one.
         shareable = self.shareable.get(name, 0) if self.tiers.holding(name).ram else 0
-        self.retained[key] = Retained(name, id(value), memory, shareable)
+        self.retained[key] = Retained(name, id(value), memory, shareable, disk)
+        self._retained_disk += disk
         self.files.set_memory(name, min(shareable, memory))
         self.tiers.pin(name)
 
     def release(self, key: Key, value: object) -> bool:
         """If ``value`` is the retained value of ``key``, put ``key`` back in
-        the store without writing anything and return True."""
+        the store without writing anything and return True. Raises
+        MaxSpillExceeded if that would take the spilled files past
+        ``max_weight`` (the value stays retained)."""
         r = self.retained.get(key)
         if r is None or r.value_id != id(value):
             return False
         if dirty.written_in_place(self._verified_path(key, r.name)):
             self.discard_retained(key)  # the caller writes the value as it is now
             return False
+        if self.max_weight is not False and self._spilled_disk() + r.disk > self.max_weight:
+            # Spilled again, it would take the spilled files past the limit,
+            # as writing it would in stock: it stays in memory (file kept).
+            raise MaxSpillExceeded(key)
         del self.retained[key]
+        self._retained_disk -= r.disk
         self.files.set_memory(r.name, r.memory)
         self._register(key, r.name)
         self.tiers.unpin(r.name)
@@ -380,7 +391,18 @@ class SharedSpillStore(SpillStore):
         was replaced)."""
         r = self.retained.pop(key, None)
         if r is not None:
+            self._retained_disk -= r.disk
             self._forget_file(r.name)
+
+    def _unspilled_disk(self) -> int:
+        # Files of values back in memory stay on disk here (stock deletes
+        # them): max_weight bounds the spilled files only, else a worker
+        # reading values back would hit it and pause for good.
+        return max(self._retained_disk, 0)
+
+    def _spilled_disk(self) -> int:
+        """Bytes on disk of the spilled keys' files (what ``max_weight`` bounds)."""
+        return int(self.files.total()[1]) - self._unspilled_disk()
 
     def private_weight(self, key: Key, value: object) -> int | None:
         """Private bytes of a retained value (``sizeof`` minus what lives in
