@@ -192,6 +192,18 @@ def test_a_file_that_cannot_move_down_still_counts_in_its_tier(shm_dir):
         buf.relieve_tier2(64 * MiB)  # every move fails (ENOSPC on tier 3)
         assert buf.store.tiers.moves == 0
         assert shared.budget.used == shared.store.total()[1] == held
+        stuck = [buf.store.file_of(k) for k in list(values)[:6]]
+        assert all(shared.budget.is_pinned(name) for name in stuck)  # not retried at every write
+        buf.cap_tier2(None)
+        buf["small"] = np.full(8 * 1024, 1.0)  # 64 KiB: fits tier 3
+        buf.evict()
+        assert buf.store.tiers.tier_of(buf.store.file_of("small")) == 2
+        buf.cap_tier2(0)
+        buf.relieve_tier2(64 * MiB)
+        assert buf.store.tiers.tier_of(buf.store.file_of("small")) == 3
+        # a move worked: the others may be tried again
+        assert not any(shared.budget.is_pinned(name) for name in stuck)
+        del buf["small"]
         buf.cap_tier2(None)
         for k in list(values)[6:]:
             buf[k] = values[k]

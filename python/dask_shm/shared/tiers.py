@@ -231,6 +231,8 @@ class TieredFiles:
         # ram_bytes runs at every eviction decision of the charged LRU
         self._ram_stores = [t.store for t in self.tiers if t.ram]
         self._lock = threading.RLock()
+        #: entries pinned after a failed move, until a move succeeds again
+        self._stuck: set[str] = set()
         #: name here -> (index in ``tiers``, name in its store), for every
         #: entry not in the first tier
         self._placed: dict[str, tuple[int, str]] = {}
@@ -313,9 +315,12 @@ class TieredFiles:
         except (KeyError, OSError) as e:
             logger.warning("dask-shm: could not move %s to tier %d: %s", name, dst.number, e)
             # It stays here and counts here; pinned, so that it is not tried
-            # again at every write (the budget makes room with other files).
+            # again at every write (the budget makes room with other files)
+            # until a later move succeeds (the next tier has room again).
             src.budget.pin(name)
+            self._stuck.add(name)
             return False
+        self._unstick()
         src.budget.remove(name)
         if dst.budget is not None:
             dst.budget.add(name, disk)
@@ -329,6 +334,15 @@ class TieredFiles:
             except OSError as e:
                 logger.warning("dask-shm: could not seal %s after its move: %s", name, e)
         return True
+
+    def _unstick(self) -> None:
+        """Files whose move failed may be tried again (a move just worked)."""
+        while self._stuck:
+            name = self._stuck.pop()
+            placed = self._placed.get(name)
+            budget = self.tiers[placed[0] if placed else 0].budget
+            if budget is not None:
+                budget.unpin(name)
 
     def enforce(self, incoming: int = 0) -> bool:
         """Move unpinned least recently used files down the tiers until each
@@ -582,6 +596,7 @@ class TieredFiles:
             index, inner = self._locate(name)
             tier = self.tiers[index]
             self._placed.pop(name, None)
+            self._stuck.discard(name)
             if tier.budget is not None:
                 tier.budget.remove(name)
             return tier.store.delete(inner)
