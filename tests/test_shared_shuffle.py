@@ -310,7 +310,12 @@ def test_a_handle_reaching_a_worker_that_no_longer_takes_files_asks_for_bytes():
 
     from dask_shm.shared import p2p
 
-    stock_send = ShuffleRun._send
+    # This process may have shared-mode workers of earlier tests: the state
+    # found here is put back as it was.
+    names = ("_send", "receive", "close")
+    before = {name: getattr(ShuffleRun, name) for name in names}
+    originals = dict(p2p._originals)
+    stock_send = originals.get("_send", ShuffleRun._send)
     p2p.install()
     p2p.uninstall()
     try:
@@ -321,4 +326,7 @@ def test_a_handle_reaching_a_worker_that_no_longer_takes_files_asks_for_bytes():
         assert reply[p2p.RESEND] is True
         assert reply["status"] == "error"
     finally:
-        ShuffleRun.receive = p2p._originals.pop("receive")
+        for name, method in before.items():
+            setattr(ShuffleRun, name, method)
+        p2p._originals.clear()
+        p2p._originals.update(originals)
