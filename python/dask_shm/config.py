@@ -18,6 +18,7 @@ import math
 import numbers
 import os
 import stat
+import string
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ def _exact_bytes(text: str) -> float:
     number required: ``parse_bytes`` reads ``""`` as 1 byte, ``"KiB"`` as
     1024 and ``"0.3"`` as 0. ValueError if it is not a size."""
     compact = text.replace(" ", "")
-    number = compact.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    number = compact.rstrip(string.ascii_letters)
     unit = compact[len(number) :]
     if not any(c.isdigit() for c in number):
         raise ValueError(text)

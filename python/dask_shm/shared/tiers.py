@@ -339,8 +339,7 @@ class TieredFiles:
         """Files whose move failed may be tried again (a move just worked)."""
         while self._stuck:
             name = self._stuck.pop()
-            placed = self._placed.get(name)
-            budget = self.tiers[placed[0] if placed else 0].budget
+            budget = self.tiers[self._locate(name)[0]].budget
             if budget is not None:
                 budget.unpin(name)
 
