@@ -30,6 +30,7 @@ __all__ = [
     "file_fingerprint",
     "is_ram_backed",
     "live_mappings",
+    "mapping_memory",
     "map_frames",
     "mapped_ranges",
     "MappedFile",
@@ -392,6 +393,14 @@ def read_peer_file(
 
 def live_mappings() -> int:
     """Number of spill-file mappings (``MappedFile``) alive in this process."""
+
+def mapping_memory() -> tuple[int, int]:
+    """``(mapped, kept)`` bytes (whole pages) of this process's live
+    spill-file mappings (``MappedFile``): ``mapped`` of all of them, until
+    each is unmapped; ``kept`` of the files that no ``FileStore`` entry of
+    this process holds any more (deleted, forgotten, moved away, or never an
+    entry), once per file: they stay in RAM only because they are mapped.
+    O(1)."""
 
 def watch_mappings(read: Callable[[], _T]) -> tuple[_T, bool]:
     """Call ``read()`` and return ``(its value, kept)``: ``kept`` tells whether

@@ -143,22 +143,107 @@ pub struct MappedFile {
     unmap_off_thread: bool,
     path: String,
     /// `(device, inode)` of the file when it was mapped, if it could be seen.
-    file_id: Option<(u64, u64)>,
+    file_id: Option<FileId>,
     /// Lives as long as the mapping: what `watch_mappings` holds weakly.
     _token: Arc<()>,
 }
+
+/// `(device, inode)` of a file.
+type FileId = (u64, u64);
 
 /// Number of `MappedFile`s alive in this process (each is one kernel mapping,
 /// counted against vm.max_map_count).
 static LIVE_MAPPINGS: AtomicUsize = AtomicUsize::new(0);
 
-/// `(start, length)` of every live `MappedFile`, by `(device, inode)` of its
-/// file: what `/proc/self/maps` would say about the spill files this
-/// process mapped, in O(1) instead of O(mappings).
-static MAPPED_RANGES: Mutex<Option<RangesByFile>> = Mutex::new(None);
+/// What this process maps of spill files, and which of those files a store
+/// of this process still holds: `/proc/self/maps` for the spill files, in
+/// O(1) instead of O(mappings), and the split of their pages that a memory
+/// monitor needs (`mapping_memory`).
+static MAPPINGS: Mutex<Option<Mappings>> = Mutex::new(None);
 
-/// `(device, inode)` -> `(start, length)` of each live mapping of that file.
-type RangesByFile = HashMap<(u64, u64), Vec<(usize, usize)>>;
+#[derive(Default)]
+struct Mappings {
+    files: HashMap<FileId, FileMappings>,
+    /// `(store id, entry name)` -> the file a mapping made through that
+    /// entry mapped: the entries known to hold a mapped file.
+    entries: HashMap<(usize, String), FileId>,
+    /// Bytes of every live mapping, until it is unmapped (whole pages).
+    mapped: usize,
+    /// Over the files no store entry of this process holds: the longest live
+    /// mapping of each (whole pages). Those files stay in RAM only because
+    /// this process maps them, and nobody's share counts them.
+    kept: usize,
+}
+
+#[derive(Default)]
+struct FileMappings {
+    /// `(start, length)` of each live mapping of the file.
+    ranges: Vec<(usize, usize)>,
+    /// Store entries of this process that hold the file.
+    holders: usize,
+}
+
+impl FileMappings {
+    /// What the file adds to `Mappings::kept`.
+    fn kept(&self) -> usize {
+        if self.holders > 0 {
+            return 0;
+        }
+        self.ranges
+            .iter()
+            .map(|&(_, len)| whole_pages(len))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+fn whole_pages(len: usize) -> usize {
+    let page = dask_shm_core::fs::page_size();
+    len.div_ceil(page) * page
+}
+
+impl Mappings {
+    /// Apply `change` to the record of file `id`, keeping `kept` current
+    /// and dropping a record left empty.
+    fn change(&mut self, id: FileId, change: impl FnOnce(&mut FileMappings)) {
+        let file = self.files.entry(id).or_default();
+        let before = file.kept();
+        change(file);
+        let after = file.kept();
+        self.kept = self.kept - before + after;
+        if file.ranges.is_empty() && file.holders == 0 {
+            self.files.remove(&id);
+        }
+    }
+
+    /// Entry `key` holds file `id` (from now, if it did not already).
+    fn hold(&mut self, key: (usize, String), id: FileId) {
+        match self.entries.insert(key, id) {
+            Some(old) if old == id => {}
+            old => {
+                self.change(id, |f| f.holders += 1);
+                if let Some(old) = old {
+                    self.change(old, |f| f.holders -= 1);
+                }
+            }
+        }
+    }
+
+    fn release(&mut self, key: &(usize, String)) {
+        if let Some(id) = self.entries.remove(key) {
+            self.change(id, |f| f.holders -= 1);
+        }
+    }
+}
+
+fn mappings() -> MutexGuard<'static, Option<Mappings>> {
+    // Each update is a few operations on the maps; poisoning cannot leave them torn.
+    MAPPINGS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn with_mappings<T>(f: impl FnOnce(&mut Mappings) -> T) -> T {
+    f(mappings().get_or_insert_with(Mappings::default))
+}
 
 thread_local! {
     /// While `watch_mappings` runs a call on this thread: the tokens of the
@@ -166,9 +251,32 @@ thread_local! {
     static WATCHED: RefCell<Option<Vec<Weak<()>>>> = const { RefCell::new(None) };
 }
 
-fn mapped_ranges_table() -> MutexGuard<'static, Option<RangesByFile>> {
-    // Each update is a few operations on the map; poisoning cannot leave it torn.
-    MAPPED_RANGES.lock().unwrap_or_else(|p| p.into_inner())
+/// Which store entry a mapping is made through, for `MappedFile::of_entry`:
+/// the store's identity (its address while it lives), the entry's name, and
+/// a check, run under the mappings' lock, that the entry still exists.
+pub struct EntryOfStore<'a> {
+    pub store: usize,
+    pub name: &'a str,
+    pub exists: &'a dyn Fn() -> bool,
+}
+
+/// The entry `name` of store `store` no longer exists (deleted, forgotten,
+/// moved to another store): a file mapped through it no longer counts as
+/// held by it.
+pub fn release_entry(store: usize, name: &str) {
+    if let Some(m) = mappings().as_mut() {
+        m.release(&(store, name.to_owned()));
+    }
+}
+
+/// Store `store` is gone: none of its entries holds a file any more.
+pub fn release_store(store: usize) {
+    if let Some(m) = mappings().as_mut() {
+        let keys: Vec<_> = m.entries.keys().filter(|k| k.0 == store).cloned().collect();
+        for key in keys {
+            m.release(&key);
+        }
+    }
 }
 
 impl MappedFile {
@@ -177,17 +285,34 @@ impl MappedFile {
     /// `unmap_off_thread`, a mapping of `unlinker::DEFER_FROM` bytes or more
     /// is unmapped on the unlinking thread once it dies.
     pub fn new(map: MmapMut, path: String, unmap_off_thread: bool) -> MappedFile {
+        Self::of_entry(map, path, unmap_off_thread, None)
+    }
+
+    /// As `new`, for a mapping made through a store's entry: its file counts
+    /// as held (by `entry`) until `release_entry` or `release_store` says
+    /// otherwise, unless the entry is already gone.
+    pub fn of_entry(
+        map: MmapMut,
+        path: String,
+        unmap_off_thread: bool,
+        entry: Option<EntryOfStore<'_>>,
+    ) -> MappedFile {
         LIVE_MAPPINGS.fetch_add(1, Ordering::Relaxed);
         let file_id = std::fs::symlink_metadata(&path)
             .ok()
             .map(|m| (m.dev(), m.ino()));
-        if let Some(id) = file_id {
-            mapped_ranges_table()
-                .get_or_insert_with(HashMap::new)
-                .entry(id)
-                .or_default()
-                .push((map.as_ptr() as usize, map.len()));
-        }
+        let range = (map.as_ptr() as usize, map.len());
+        with_mappings(|m| {
+            m.mapped += whole_pages(range.1);
+            let Some(id) = file_id else { return };
+            // Held before the range is added: never counted as kept meanwhile.
+            if let Some(entry) = entry {
+                if (entry.exists)() {
+                    m.hold((entry.store, entry.name.to_owned()), id);
+                }
+            }
+            m.change(id, |f| f.ranges.push(range));
+        });
         let token = Arc::new(());
         WATCHED.with_borrow_mut(|watched| {
             if let Some(watched) = watched {
@@ -204,27 +329,58 @@ impl MappedFile {
     }
 }
 
+/// A mapping on its way out: unmapped first, then taken out of `MAPPINGS`,
+/// so that its pages never count as nobody's while they are still mapped.
+struct Unmapping {
+    map: Option<MmapMut>,
+    file_id: Option<FileId>,
+}
+
+impl Drop for Unmapping {
+    fn drop(&mut self) {
+        let Some(map) = self.map.take() else { return };
+        let range = (map.as_ptr() as usize, map.len());
+        drop(map);
+        if let Some(m) = mappings().as_mut() {
+            m.mapped -= whole_pages(range.1);
+            if let Some(id) = self.file_id {
+                // One of them: a new mapping of the file may already have
+                // been made at the same address, between the unmap and now.
+                m.change(id, |f| {
+                    if let Some(i) = f.ranges.iter().position(|&r| r == range) {
+                        f.ranges.swap_remove(i);
+                    }
+                });
+            }
+        }
+    }
+}
+
 impl Drop for MappedFile {
     fn drop(&mut self) {
         LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
-        if let Some(id) = self.file_id {
-            let start = self.map.as_ptr() as usize;
-            let mut table = mapped_ranges_table();
-            if let Some(ranges) = table.as_mut().and_then(|t| t.get_mut(&id)) {
-                ranges.retain(|&(s, _)| s != start);
-                if ranges.is_empty() {
-                    table.as_mut().map(|t| t.remove(&id));
-                }
-            }
-        }
         // SAFETY: `map` is taken once, here, and never used again.
         let map = unsafe { ManuallyDrop::take(&mut self.map) };
-        if self.unmap_off_thread && map.len() as u64 >= unlinker::DEFER_FROM {
+        let large = map.len() as u64 >= unlinker::DEFER_FROM;
+        let unmapping = Unmapping {
+            map: Some(map),
+            file_id: self.file_id,
+        };
+        if self.unmap_off_thread && large {
             // Unmapping costs milliseconds, in the thread that drops the last
             // reference (often a worker's event loop, with the GIL held).
-            unlinker::release_later(Box::new(map));
+            unlinker::release_later(Box::new(unmapping));
         }
     }
+}
+
+/// `(mapped, kept)` bytes of this process's live spill-file mappings
+/// (`MappedFile`s, whole pages): `mapped` of all of them, `kept` of the
+/// files that no store entry of this process holds any more (counted once
+/// per file), which stay in RAM because these mappings keep them.
+#[pyfunction]
+pub fn mapping_memory() -> (usize, usize) {
+    mappings().as_ref().map_or((0, 0), |m| (m.mapped, m.kept))
 }
 
 /// `(start, end)` addresses of this process's live spill-file mappings
@@ -232,15 +388,14 @@ impl Drop for MappedFile {
 /// maps them; O(its mappings).
 #[pyfunction]
 pub fn mapped_ranges(device: u64, inode: u64) -> Vec<(usize, usize)> {
-    mapped_ranges_table()
+    mappings()
         .as_ref()
-        .and_then(|t| t.get(&(device, inode)))
-        .map(|ranges| {
+        .and_then(|m| m.files.get(&(device, inode)))
+        .map(|file| {
             // The kernel maps whole pages: the last partial page is mapped too.
-            let page = dask_shm_core::fs::page_size();
-            ranges
+            file.ranges
                 .iter()
-                .map(|&(s, l)| (s, s + l.div_ceil(page) * page))
+                .map(|&(s, l)| (s, s + whole_pages(l)))
                 .collect()
         })
         .unwrap_or_default()
@@ -363,5 +518,51 @@ mod tests {
         drop(b);
         assert!(mapped_ranges(id.0, id.1).is_empty());
         assert!(mapped_ranges(id.0, id.1 + 1).is_empty());
+    }
+
+    #[test]
+    fn a_file_counts_as_kept_once_no_entry_holds_it() {
+        // Store ids no real store has: other tests' mappings stay apart.
+        const STORE: usize = usize::MAX - 7;
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("f");
+        std::fs::write(&path, vec![7u8; 2 * 4096 + 1]).unwrap();
+        let path_str = path.to_string_lossy().into_owned();
+        let map = || {
+            let file = std::fs::File::open(&path).unwrap();
+            unsafe { MmapOptions::new().map_copy(&file).unwrap() }
+        };
+        let through = |exists: bool| {
+            let yes = move || exists;
+            let entry = EntryOfStore {
+                store: STORE,
+                name: "k#1",
+                exists: &yes,
+            };
+            MappedFile::of_entry(map(), path_str.clone(), false, Some(entry))
+        };
+        let meta = std::fs::metadata(&path).unwrap();
+        let id = (meta.dev(), meta.ino());
+        let kept_of_file = || mappings().as_ref().unwrap().files.get(&id).map(|f| f.kept());
+        let a = through(true);
+        let b = through(true);
+        assert_eq!(kept_of_file(), Some(0));
+        release_entry(STORE, "k#1");
+        // Once for the file, in whole pages, however many mappings it has.
+        assert_eq!(kept_of_file(), Some(3 * 4096));
+        drop(a);
+        assert_eq!(kept_of_file(), Some(3 * 4096));
+        drop(b);
+        assert_eq!(kept_of_file(), None);
+        // An entry already gone when the mapping is made holds nothing.
+        let c = through(false);
+        assert_eq!(kept_of_file(), Some(3 * 4096));
+        drop(c);
+        // A store that goes releases its entries.
+        let d = through(true);
+        release_store(STORE);
+        assert_eq!(kept_of_file(), Some(3 * 4096));
+        drop(d);
+        assert_eq!(kept_of_file(), None);
     }
 }

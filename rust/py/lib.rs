@@ -45,7 +45,7 @@ mod _core {
     };
     #[pymodule_export]
     use super::buffers::{
-        live_mappings, mapped_ranges, watch_mappings, written_in_place, MappedFile,
+        live_mappings, mapped_ranges, mapping_memory, watch_mappings, written_in_place, MappedFile,
     };
     #[pymodule_export]
     use super::errors::{ForgedHandleError, SpillFileError};

@@ -9,7 +9,9 @@ use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyList, PyMemoryView};
 
-use crate::buffers::{slices_from_raw, HeldBuffer, MappedFile};
+use crate::buffers::{
+    release_entry, release_store, slices_from_raw, EntryOfStore, HeldBuffer, MappedFile,
+};
 use crate::errors::{directory_error, io_error_at, peer_err, to_pyerr_at};
 use crate::fs::run;
 use dask_shm_core::peer::{open_peer_file, PeerFile};
@@ -88,6 +90,18 @@ impl FileStore {
     /// `KEEP_GIL_MAX_BYTES`.
     fn keeps_gil(&self, bytes: u64) -> bool {
         self.inner.is_ram_backed() && bytes <= KEEP_GIL_MAX_BYTES
+    }
+
+    /// This store's identity among the live stores, for `buffers`' record
+    /// of which entries hold mapped files.
+    pub(crate) fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+}
+
+impl Drop for FileStore {
+    fn drop(&mut self) {
+        release_store(self.id());
     }
 }
 
@@ -174,8 +188,11 @@ impl FileStore {
     /// failed deletion.
     fn give_for_reuse(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
         let store = Arc::clone(&self.inner);
-        py.detach(move || store.give_for_reuse(name))
-            .map_err(|e| io_error_at(e, self.inner.directory()))
+        let pooled = py
+            .detach(move || store.give_for_reuse(name))
+            .map_err(|e| io_error_at(e, self.inner.directory()))?;
+        release_entry(self.id(), name);
+        Ok(pooled)
     }
 
     /// Read a file back as one memoryview per frame, copied into a private
@@ -207,7 +224,14 @@ impl FileStore {
         let (map, layout) =
             run(py, self.keeps_gil(0), || store.map(name)).map_err(|e| to_pyerr_at(e, &path))?;
         let path = path.to_string_lossy().into_owned();
-        let mapped = Bound::new(py, MappedFile::new(map, path, store.defers_deletes()))?;
+        let exists = || store.sizes(name).is_some();
+        let entry = EntryOfStore {
+            store: self.id(),
+            name,
+            exists: &exists,
+        };
+        let mapped = MappedFile::of_entry(map, path, store.defers_deletes(), Some(entry));
+        let mapped = Bound::new(py, mapped)?;
         frame_views(py, mapped.as_any(), &layout.frames)
     }
 
@@ -268,7 +292,9 @@ impl FileStore {
     /// Stop accounting the entry `name`, leaving its file in place (another
     /// process now decides when it is deleted or reused); False if unknown.
     fn forget(&self, name: &str) -> bool {
-        self.inner.forget(name)
+        let forgot = self.inner.forget(name);
+        release_entry(self.id(), name);
+        forgot
     }
 
     /// Forget an entry and delete its file (a file already gone is fine).
@@ -281,6 +307,7 @@ impl FileStore {
         let Some(taken) = store.take_entry(name) else {
             return Ok(None);
         };
+        release_entry(self.id(), name);
         let keep_gil = store.defers_deletes() || self.keeps_gil(taken.sizes.disk);
         run(py, keep_gil, || store.delete_taken(&taken))
             .map_err(|e| io_error_at(e, &self.inner.path_of(name)))?;

@@ -4,6 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 
+use crate::buffers::release_entry;
 use crate::errors::to_pyerr_at;
 use crate::store::FileStore;
 use dask_shm_core::tier::{self, TierBudget as Budget};
@@ -20,8 +21,12 @@ pub fn move_entry(
     dst: &FileStore,
 ) -> PyResult<(String, u64)> {
     let (s, d) = (Arc::clone(&src.inner), Arc::clone(&dst.inner));
-    py.detach(|| tier::move_entry(&s, name, &d))
-        .map_err(|e| to_pyerr_at(e, &d.path_of(name)))
+    let moved = py
+        .detach(|| tier::move_entry(&s, name, &d))
+        .map_err(|e| to_pyerr_at(e, &d.path_of(name)))?;
+    // A mapping of the old file keeps it in RAM now that `src` lets it go.
+    release_entry(src.id(), name);
+    Ok(moved)
 }
 
 /// Byte budget of tier 2 in least-recently-used order (see `dask_shm_core::tier`).

@@ -10,6 +10,14 @@ tmpfs files it holds, mapped or not (a file with k hard links counts 1/k on
 each holder): summed over a host's workers that is the host's real use, so
 the spill, pause and terminate thresholds behave as in stock.
 
+Only the shared pages of dask-shm's own mappings leave ``rss`` that way
+(:func:`own_shared_pages`): shared memory a task maps itself (a
+multiprocessing heap, a torch shared tensor, a joblib memmap in
+``/dev/shm``) counts as in stock, and so does a spill file whose key is gone
+while a view of its mapping lives on (it stays in RAM, and no share counts
+it any more): the whole file then counts, as the whole array a view keeps
+alive counts in stock.
+
 - on the worker, ``worker.monitor.get_process_memory`` (the hook distributed
   keeps for exactly this purpose) is replaced: spilling, pausing and the
   process/unmanaged memory the worker reports all follow; the buffer also
@@ -30,14 +38,16 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from dask.utils import format_bytes
 from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
 
-from dask_shm.procmem import process_memory
-from dask_shm.shared.published_share import SharePublisher, read_published_share, share_path
+from dask_shm import _core
+from dask_shm.procmem import ProcessMemory, process_memory
+from dask_shm.shared.born import own_bytes as born_own_bytes
+from dask_shm.shared.published_share import SharePublisher, read_published, share_path
 
 if TYPE_CHECKING:
     from distributed import Nanny, Worker
@@ -47,9 +57,37 @@ if TYPE_CHECKING:
 logger = logging.getLogger("distributed.nanny")
 
 
-def private_process_memory() -> int:
-    """This process's resident memory minus its shared-memory pages."""
-    return process_memory().private
+class SharedPages(NamedTuple):
+    """This process's own mappings of shared-memory files, as a memory
+    monitor splits them (bytes, whole pages)."""
+
+    #: mapped by dask-shm (spill-file mappings, blocks of arrays born
+    #: shared): at most this much of ``RssShmem`` is pages that count
+    #: elsewhere (a share, the arena's own bytes), not as this process's
+    mapped: int
+    #: files that only these mappings keep in RAM (no store entry of this
+    #: process holds them any more), once each: counted as this process's own
+    kept: int
+
+
+def own_shared_pages() -> SharedPages:
+    """:class:`SharedPages` of this process now; O(1)."""
+    mapped, kept = _core.mapping_memory()
+    born = _core.born_stats()
+    return SharedPages(mapped + int(born["bytes"]) + int(born["cached_bytes"]), kept)
+
+
+def held_memory(memory: ProcessMemory, pages: SharedPages) -> int:
+    """What a process holds beside its share of tmpfs files: its private
+    memory, the shared pages that are not dask-shm's (``shmem`` beyond
+    ``pages.mapped``) and the files only its mappings keep."""
+    return memory.private + max(0, memory.shmem - pages.mapped) + pages.kept
+
+
+def process_memory_held() -> int:
+    """:func:`held_memory` of this process."""
+    pages = own_shared_pages()  # first: a mapping made meanwhile shows in neither
+    return held_memory(process_memory(), pages)
 
 
 #: a worker in one of these states needs its threads no more (its publisher
@@ -82,7 +120,7 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
     :attr:`~dask_shm.shared.buffer.SharedSpillBuffer.over_spill_threshold`)."""
 
     def worker_memory() -> int:
-        return private_process_memory() + buffer.tier2_bytes()
+        return process_memory_held() + buffer.tier2_bytes()
 
     worker.monitor.get_process_memory = worker_memory  # type: ignore[method-assign]
     monitor, manager = worker.monitor, worker.memory_manager
@@ -101,9 +139,18 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
         tiers.ram_bytes,
         tiers.refresh_links,
         alive=worker_alive(worker),
+        pages=_published_pages,
     )
     publisher.start()
     _publishers[worker] = publisher
+
+
+def _published_pages() -> tuple[int, int]:
+    """``(mapped, kept)`` for the nanny: :func:`own_shared_pages`, with the
+    born arena's own bytes in ``kept`` (the worker's monitor adds those
+    through :mod:`~dask_shm.shared.born_worker`)."""
+    pages = own_shared_pages()
+    return pages.mapped, pages.kept + born_own_bytes()
 
 
 def uninstall_worker_monitor(worker: Worker) -> None:
@@ -116,22 +163,37 @@ def uninstall_worker_monitor(worker: Worker) -> None:
 
 
 class _PrivateMemoryTerminator:
-    """The nanny's terminate check, on private memory plus the worker's share of
-    its tmpfs files (stock's logic otherwise:
-    SIGTERM first, SIGKILL if the same process is still over the limit)."""
+    """The nanny's terminate check, on what the worker holds (as its own
+    monitor counts it, :func:`held_memory`) plus its share of its tmpfs
+    files (stock's logic otherwise: SIGTERM first, SIGKILL if the same
+    process is still over the limit)."""
 
     def __init__(self, nanny: Nanny, root: str | None):
         self.nanny = nanny
         self.root = root
         self.last_terminated_pid = -1
+        #: (pid, the shared pages not dask-shm's at the last look)
+        self._foreign: tuple[int, int] = (-1, 0)
 
     def parts(self, pid: int) -> tuple[int, int]:
-        """Private memory of worker process ``pid`` and the share of tmpfs
-        files it publishes; O(1) in its number of files. Raises
-        ProcessLookupError if it is gone."""
-        private = process_memory(pid).private
-        share = 0 if self.root is None else read_published_share(self.root, pid)
-        return private, share
+        """What worker process ``pid`` holds and the share of tmpfs files it
+        publishes; O(1) in its number of files. Raises ProcessLookupError
+        if it is gone.
+
+        The worker publishes its figures every 100 ms, so pages of a mapping
+        it has just made can show in its ``RssShmem`` before they show in
+        what it published: the shared pages that are not dask-shm's count
+        only as far as two looks in a row saw them."""
+        memory = process_memory(pid)
+        if self.root is None:
+            return memory.private, 0
+        published = read_published(self.root, pid)
+        foreign = max(0, memory.shmem - published.mapped)
+        last_pid, last = self._foreign
+        self._foreign = (pid, foreign)
+        if last_pid == pid:
+            foreign = min(foreign, last)
+        return memory.private + foreign + published.kept, published.share
 
     def memory(self, pid: int) -> int:
         """:meth:`parts` summed: what is held against the limit."""

@@ -116,7 +116,7 @@ class SharedMemoryPlugin(WorkerPlugin):
             settings.max_bytes,
             root,
             memory_limit,
-            held=monitor.private_process_memory(),
+            held=monitor.process_memory_held(),
             target_fraction=(
                 worker.memory_manager.memory_target_fraction
                 or worker.memory_manager.memory_spill_fraction

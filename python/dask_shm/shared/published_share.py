@@ -8,8 +8,10 @@ scheduler's and the client's. So the worker does the counting, in O(1):
 :meth:`~dask_shm._core.FileStore.total` is kept by the Rust ledger as files
 come and go, and a :class:`SharePublisher` thread writes it to
 ``<process directory>/<buffer directory name>.share`` whenever it changes
-(checked every ``interval`` seconds). The nanny reads those small files
-(:func:`read_published_share`): O(processes + buffers), never O(files).
+(checked every ``interval`` seconds), with the two figures of the process's
+own mappings the nanny needs to count its shared pages as the worker's own
+monitor does (:class:`Published`). The nanny reads those small files
+(:func:`read_published`): O(processes + buffers), never O(files).
 
 The same thread corrects the link counts that other processes change (a peer
 dropping its hard link makes this worker's share grow), which is O(shared
@@ -36,6 +38,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from dask_shm.shared.paths import ProcessIdentity, process_start_time
 
@@ -62,15 +65,32 @@ def pid_namespace() -> int | None:
         return None
 
 
-def _parse(text: bytes, namespace: int | None) -> int:
-    """The number of a published file: ``<bytes>`` or ``<bytes> <pid
-    namespace>``; 0 for another namespace's. ValueError if garbled."""
+class Published(NamedTuple):
+    """What a worker process published for its nanny (all in bytes)."""
+
+    #: its share of the tmpfs files its buffers hold, summed over its buffers
+    share: int = 0
+    #: bytes of its own mappings of shared-memory files whose pages count
+    #: elsewhere (:attr:`dask_shm.shared.monitor.SharedPages.mapped`)
+    mapped: int = 0
+    #: bytes it holds that neither its private memory nor its share shows
+    #: (:attr:`dask_shm.shared.monitor.SharedPages.kept`, born blocks only it holds)
+    kept: int = 0
+
+
+def _parse(text: bytes, namespace: int | None) -> Published:
+    """The numbers of a published file: ``<share>``, ``<share> <pid
+    namespace>`` or ``<share> <pid namespace or -> <mapped> <kept>``;
+    nothing for another namespace's. ValueError if garbled."""
     parts = text.split()
     if not parts:
-        return 0
-    if len(parts) > 1 and namespace is not None and int(parts[1]) != namespace:
-        return 0
-    return int(parts[0])
+        return Published()
+    if len(parts) > 1 and parts[1] != b"-" and namespace is not None:
+        if int(parts[1]) != namespace:
+            return Published()
+    if len(parts) >= 4:
+        return Published(int(parts[0]), int(parts[2]), int(parts[3]))
+    return Published(int(parts[0]))
 
 
 def _process_dirs(root: str, pid: int) -> list[str]:
@@ -84,12 +104,15 @@ def _process_dirs(root: str, pid: int) -> list[str]:
         return []
 
 
-def read_published_share(root: str, pid: int) -> int:
-    """Sum of the shares published by process ``pid`` (of this process's
-    PID namespace) under ``root``; 0 if there are none. Lists only the user
-    directory (one entry per process) and the process's directories (one
-    entry per buffer), reads one small file per buffer. Never raises."""
-    total, namespace = 0, pid_namespace()
+def read_published(root: str, pid: int) -> Published:
+    """What process ``pid`` (of this process's PID namespace) published
+    under ``root``: the sum of its buffers' shares, and its mappings'
+    figures (process-wide, so the largest any buffer wrote); zeros if it
+    published nothing. Lists only the user directory (one entry per
+    process) and the process's directories (one entry per buffer), reads
+    one small file per buffer. Never raises."""
+    share = mapped = kept = 0
+    namespace = pid_namespace()
     for directory in _process_dirs(root, pid):
         try:
             with os.scandir(directory) as it:
@@ -99,15 +122,25 @@ def read_published_share(root: str, pid: int) -> int:
         for path in published:
             try:
                 with open(path, "rb") as f:
-                    total += _parse(f.read(64), namespace)
+                    one = _parse(f.read(128), namespace)
             except (OSError, ValueError):
                 continue
-    return total
+            share += one.share
+            mapped, kept = max(mapped, one.mapped), max(kept, one.kept)
+    return Published(share, mapped, kept)
+
+
+def read_published_share(root: str, pid: int) -> int:
+    """The sum of the shares process ``pid`` published under ``root``
+    (:attr:`Published.share` of :func:`read_published`). Never raises."""
+    return read_published(root, pid).share
 
 
 class SharePublisher:
-    """A daemon thread that publishes ``share()`` at ``path`` whenever it
-    changes (checked every ``interval`` seconds) and calls ``refresh()``
+    """A daemon thread that publishes ``share()`` at ``path``, with
+    ``pages()`` (``(mapped, kept)``, see :class:`Published`; zeros if not
+    given), whenever they change (checked every ``interval`` seconds) and
+    calls ``refresh()``
     (the link-count correction, O(shared files), expected to release the
     GIL) at most every ``refresh_interval`` seconds and at most
     1/:data:`REFRESH_DUTY` of the time. It ends, removing the file, on
@@ -122,17 +155,19 @@ class SharePublisher:
         interval: float = 0.1,
         refresh_interval: float = 2.0,
         alive: Callable[[], bool] = lambda: True,
+        pages: Callable[[], tuple[int, int]] | None = None,
     ):
         self.path = path
         self._share = share
+        self._pages = pages
         self._refresh = refresh
         self._alive = alive
         self.interval = interval
         self.refresh_interval = refresh_interval
         self._stop = threading.Event()
-        self._published: int | None = None
+        self._published: tuple[int, int, int] | None = None
         namespace = pid_namespace()
-        self._suffix = "" if namespace is None else f" {namespace}"
+        self._namespace = "-" if namespace is None else str(namespace)
         self._thread = threading.Thread(
             target=self._run, name=f"dask-shm share {os.path.basename(path)}", daemon=True
         )
@@ -145,14 +180,16 @@ class SharePublisher:
         self._thread.start()
 
     def publish(self) -> None:
-        """Write the current share if it differs from the last one written."""
-        value = self._share()
+        """Write the current figures if they differ from the last ones written."""
+        # The pages first: a mapping made meanwhile then shows in neither.
+        mapped, kept = (0, 0) if self._pages is None else self._pages()
+        value = (self._share(), mapped, kept)
         if value == self._published:
             return
         tmp = f"{self.path}.tmp"
         try:
             with open(tmp, "w") as f:
-                f.write(f"{value}{self._suffix}")
+                f.write(f"{value[0]} {self._namespace} {mapped} {kept}")
             os.replace(tmp, self.path)
         except OSError as e:
             logger.debug("dask-shm: cannot publish the share at %s: %s", self.path, e)
