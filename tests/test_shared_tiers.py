@@ -176,6 +176,34 @@ def test_mapped_values_stay_put_and_move_once_released(shm_dir, disk_root):
     buf.close()
 
 
+def test_files_another_holder_links_move_down_last(shm_dir, disk_root):
+    """Over budget, tier 2 moves the files only this buffer holds first,
+    older or not: moving a file a peer also links frees no RAM while the
+    peer holds it, and each holder that moved it would write a copy of its
+    own to disk. Shared files move too once the others do not make room."""
+    buf = make_buffer(shm_dir, disk_root, budget=40 * MiB, target=0)
+    tiers = buf.store.tiers
+    for k in "abcd":  # 8 MiB each, oldest first; all in tier 2
+        buf[k] = np.full(MiB, ord(k), dtype="f8")
+    peer = os.path.join(shm_dir, "peer")
+    os.mkdir(peer)
+    for k in "ab":  # a peer holds the two oldest (as after a transfer by link)
+        os.link(buf.store.path(k), os.path.join(peer, k))
+    assert [tiers.tier_of(buf.store.file_of(k)) for k in "abcd"] == [2, 2, 2, 2]
+    tier2 = tiers.tier("shared").budget
+    size = tiers.sizes(buf.store.file_of("a"))[1]
+    tier2.limit = tier2.used - size  # one file must go
+    tiers.enforce()
+    assert [tiers.tier_of(buf.store.file_of(k)) for k in "abcd"] == [2, 2, 3, 2]
+    tier2.limit = tier2.used - 2 * size  # two more: the last unshared one, then the oldest
+    tiers.enforce()
+    assert [tiers.tier_of(buf.store.file_of(k)) for k in "abcd"] == [3, 2, 3, 3]
+    assert tiers.moves == 3
+    for k in "abcd":
+        np.testing.assert_array_equal(buf[k], np.full(MiB, ord(k), dtype="f8"))
+    buf.close()
+
+
 def test_a_file_that_cannot_move_down_still_counts_in_its_tier(shm_dir):
     # Tier 3 full: the moves fail and the files stay in tier 2. They once
     # left its budget for good, and tier 2 then grew past its limit.

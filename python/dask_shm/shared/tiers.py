@@ -18,7 +18,9 @@ there are. Its one concern is *where* a file lives:
   memory are released, the budget shrank), its least recently used files
   that no value maps (unpinned) move to the next tier, and so on down, a
   bounded step at a time: each ``put`` and ``unpin`` moves some, and
-  :meth:`TieredFiles.relieve` (a worker's relief thread) the rest.
+  :meth:`TieredFiles.relieve` (a worker's relief thread) the rest. Files a
+  peer links too go last (moving one frees no RAM while the peer holds it,
+  and each holder would write its own copy).
 - a move copies the file in Rust with the GIL released
   (:func:`~dask_shm._core.move_entry`); the entry keeps its name here, so
   callers never see it move (except the owner's :attr:`TieredFiles.on_moved`
@@ -63,6 +65,10 @@ _FRAME_OVERHEAD = 128
 #: lowered by gigabytes does not stall one caller (a worker's event loop
 #: spilling a value) for the whole move
 MOVE_STEP = 16 * 2**20
+
+#: times a tier's plan is made again without the shared files it picked
+#: (see :meth:`TieredFiles._plan`); past them those files are left out of it
+_PLAN_ROUNDS = 4
 
 #: number of the first file tier (tier 1 is private memory)
 FIRST_FILE_TIER = 2
@@ -367,21 +373,62 @@ class TieredFiles:
     def _move_over_budget(self, incoming: int, max_bytes: int | None) -> tuple[bool, int]:
         """(whether the first tier has room for ``incoming`` bytes, bytes
         moved), moving files over budget down the tiers until done or, with
-        ``max_bytes``, once that many have moved."""
+        ``max_bytes``, once that many have moved. Files of this tier that
+        another holder links too move only when the others do not make the
+        room (see :meth:`_plan`)."""
         with self._lock:
             fits, before = True, self.moved_bytes
             for index, tier in enumerate(self.tiers[:-1]):
                 assert tier.budget is not None
-                victims, room = tier.budget.plan(incoming if index == 0 else 0)
-                if index == 0:
-                    fits = room
-                for done, name in enumerate(victims, 1):
-                    self._move(name, index)
-                    if max_bytes is not None and self.moved_bytes - before >= max_bytes:
-                        if index == 0 and done < len(victims):
-                            fits = False  # the room needs the victims left
-                        return fits, self.moved_bytes - before
+                for shared_too in (False, True):
+                    victims, room, held_back = self._plan(
+                        tier.budget, incoming if index == 0 else 0, shared_too
+                    )
+                    if index == 0:
+                        fits = room
+                    for done, name in enumerate(victims, 1):
+                        self._move(name, index)
+                        if max_bytes is not None and self.moved_bytes - before >= max_bytes:
+                            if index == 0 and (done < len(victims) or not room):
+                                fits = False  # the room needs more files to move
+                            return fits, self.moved_bytes - before
+                    if room or not held_back:
+                        break
             return fits, self.moved_bytes - before
+
+    def _plan(
+        self, budget: TierBudget, incoming: int, shared_too: bool
+    ) -> tuple[list[str], bool, bool]:
+        """``budget.plan(incoming)`` and whether files were left out of it:
+        unless ``shared_too``, the files that another holder links too (a
+        peer that received them, a link on its way out). Moving such a file
+        frees no RAM while the other link lives, and every holder that moves
+        it writes a copy of its own to the next tier: they go last, once the
+        files only this buffer holds do not make the room. Their link counts
+        are read for the candidates only (one ``lstat`` each)."""
+        held_back: list[str] = []
+        try:
+            for _ in range(_PLAN_ROUNDS):
+                victims, room = budget.plan(incoming)
+                shared = [] if shared_too else [n for n in victims if self._linked_elsewhere(n)]
+                if not shared:
+                    return victims, room, bool(held_back)
+                # Out of the plan while it is made again (the lock is held:
+                # no pin or unpin of anyone else's happens meanwhile).
+                for name in shared:
+                    budget.pin(name)
+                held_back += shared
+            kept = set(held_back)
+            return [n for n in victims if n not in kept], False, True
+        finally:
+            for name in held_back:
+                budget.unpin(name)
+
+    def _linked_elsewhere(self, name: str) -> bool:
+        try:
+            return self.link_count(name) > 1
+        except (KeyError, OSError):
+            return False
 
     @property
     def first_ceiling(self) -> int:
