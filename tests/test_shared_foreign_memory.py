@@ -226,3 +226,18 @@ def test_mapping_memory_follows_the_entries_that_hold_a_mapped_file(shm_dir):
     del views
     store.delete(name)
     assert settled() == base
+
+
+def test_mappings_of_files_on_disk_count_neither_way(tmp_path):
+    """A mapped file of a disk tier is page cache (``RssFile``, part of the
+    private memory): it is neither ``mapped`` nor ``kept``."""
+    from dask_shm._core import FileStore, mapping_memory
+
+    store = FileStore(str(tmp_path / "disk"))
+    value = np.ones(MiB, dtype="u1")
+    base = mapping_memory()
+    name, _ = store.put("k", [value], value.nbytes)
+    views = store.read_mapped(name)
+    store.delete(name)
+    assert mapping_memory() == base
+    del views

@@ -396,7 +396,8 @@ def live_mappings() -> int:
 
 def mapping_memory() -> tuple[int, int]:
     """``(mapped, kept)`` bytes (whole pages) of this process's live
-    spill-file mappings (``MappedFile``): ``mapped`` of all of them, until
+    spill-file mappings (``MappedFile``) of files on RAM-backed file systems
+    (tmpfs: what shows as ``RssShmem``): ``mapped`` of all of them, until
     each is unmapped; ``kept`` of the files that no ``FileStore`` entry of
     this process holds any more (deleted, forgotten, moved away, or never an
     entry), once per file: they stay in RAM only because they are mapped.

@@ -144,6 +144,8 @@ pub struct MappedFile {
     path: String,
     /// `(device, inode)` of the file when it was mapped, if it could be seen.
     file_id: Option<FileId>,
+    /// The file is on a RAM-backed file system.
+    ram: bool,
     /// Lives as long as the mapping: what `watch_mappings` holds weakly.
     _token: Arc<()>,
 }
@@ -167,7 +169,8 @@ struct Mappings {
     /// `(store id, entry name)` -> the file a mapping made through that
     /// entry mapped: the entries known to hold a mapped file.
     entries: HashMap<(usize, String), FileId>,
-    /// Bytes of every live mapping, until it is unmapped (whole pages).
+    /// Bytes of every live mapping of a RAM-backed file, until it is
+    /// unmapped (whole pages): what may show as the process's `RssShmem`.
     mapped: usize,
     /// Over the files no store entry of this process holds: the longest live
     /// mapping of each (whole pages). Those files stay in RAM only because
@@ -181,12 +184,15 @@ struct FileMappings {
     ranges: Vec<(usize, usize)>,
     /// Store entries of this process that hold the file.
     holders: usize,
+    /// The file is on a RAM-backed file system (else its pages are page
+    /// cache, which the kernel may drop: never kept).
+    ram: bool,
 }
 
 impl FileMappings {
     /// What the file adds to `Mappings::kept`.
     fn kept(&self) -> usize {
-        if self.holders > 0 {
+        if self.holders > 0 || !self.ram {
             return 0;
         }
         self.ranges
@@ -285,15 +291,18 @@ impl MappedFile {
     /// `unmap_off_thread`, a mapping of `unlinker::DEFER_FROM` bytes or more
     /// is unmapped on the unlinking thread once it dies.
     pub fn new(map: MmapMut, path: String, unmap_off_thread: bool) -> MappedFile {
-        Self::of_entry(map, path, unmap_off_thread, None)
+        let ram = dask_shm_core::fs::is_ram_backed(std::path::Path::new(&path));
+        Self::of_entry(map, path, ram, unmap_off_thread, None)
     }
 
-    /// As `new`, for a mapping made through a store's entry: its file counts
-    /// as held (by `entry`) until `release_entry` or `release_store` says
-    /// otherwise, unless the entry is already gone.
+    /// As `new`, for a mapping made through a store's entry, of a file on a
+    /// RAM-backed file system if `ram`: its file counts as held (by `entry`)
+    /// until `release_entry` or `release_store` says otherwise, unless the
+    /// entry is already gone.
     pub fn of_entry(
         map: MmapMut,
         path: String,
+        ram: bool,
         unmap_off_thread: bool,
         entry: Option<EntryOfStore<'_>>,
     ) -> MappedFile {
@@ -303,7 +312,9 @@ impl MappedFile {
             .map(|m| (m.dev(), m.ino()));
         let range = (map.as_ptr() as usize, map.len());
         with_mappings(|m| {
-            m.mapped += whole_pages(range.1);
+            if ram {
+                m.mapped += whole_pages(range.1);
+            }
             let Some(id) = file_id else { return };
             // Held before the range is added: never counted as kept meanwhile.
             if let Some(entry) = entry {
@@ -311,7 +322,10 @@ impl MappedFile {
                     m.hold((entry.store, entry.name.to_owned()), id);
                 }
             }
-            m.change(id, |f| f.ranges.push(range));
+            m.change(id, |f| {
+                f.ram = ram;
+                f.ranges.push(range);
+            });
         });
         let token = Arc::new(());
         WATCHED.with_borrow_mut(|watched| {
@@ -324,6 +338,7 @@ impl MappedFile {
             unmap_off_thread,
             path,
             file_id,
+            ram,
             _token: token,
         }
     }
@@ -334,6 +349,7 @@ impl MappedFile {
 struct Unmapping {
     map: Option<MmapMut>,
     file_id: Option<FileId>,
+    ram: bool,
 }
 
 impl Drop for Unmapping {
@@ -342,7 +358,9 @@ impl Drop for Unmapping {
         let range = (map.as_ptr() as usize, map.len());
         drop(map);
         if let Some(m) = mappings().as_mut() {
-            m.mapped -= whole_pages(range.1);
+            if self.ram {
+                m.mapped -= whole_pages(range.1);
+            }
             if let Some(id) = self.file_id {
                 // One of them: a new mapping of the file may already have
                 // been made at the same address, between the unmap and now.
@@ -365,6 +383,7 @@ impl Drop for MappedFile {
         let unmapping = Unmapping {
             map: Some(map),
             file_id: self.file_id,
+            ram: self.ram,
         };
         if self.unmap_off_thread && large {
             // Unmapping costs milliseconds, in the thread that drops the last
@@ -375,9 +394,10 @@ impl Drop for MappedFile {
 }
 
 /// `(mapped, kept)` bytes of this process's live spill-file mappings
-/// (`MappedFile`s, whole pages): `mapped` of all of them, `kept` of the
-/// files that no store entry of this process holds any more (counted once
-/// per file), which stay in RAM because these mappings keep them.
+/// (`MappedFile`s, whole pages) of files on RAM-backed file systems:
+/// `mapped` of all of them, `kept` of the files that no store entry of this
+/// process holds any more (counted once per file), which stay in RAM
+/// because these mappings keep them.
 #[pyfunction]
 pub fn mapping_memory() -> (usize, usize) {
     mappings().as_ref().map_or((0, 0), |m| (m.mapped, m.kept))
@@ -539,11 +559,18 @@ mod tests {
                 name: "k#1",
                 exists: &yes,
             };
-            MappedFile::of_entry(map(), path_str.clone(), false, Some(entry))
+            MappedFile::of_entry(map(), path_str.clone(), true, false, Some(entry))
         };
         let meta = std::fs::metadata(&path).unwrap();
         let id = (meta.dev(), meta.ino());
-        let kept_of_file = || mappings().as_ref().unwrap().files.get(&id).map(|f| f.kept());
+        let kept_of_file = || {
+            mappings()
+                .as_ref()
+                .unwrap()
+                .files
+                .get(&id)
+                .map(|f| f.kept())
+        };
         let a = through(true);
         let b = through(true);
         assert_eq!(kept_of_file(), Some(0));

@@ -230,7 +230,8 @@ impl FileStore {
             name,
             exists: &exists,
         };
-        let mapped = MappedFile::of_entry(map, path, store.defers_deletes(), Some(entry));
+        let ram = store.is_ram_backed();
+        let mapped = MappedFile::of_entry(map, path, ram, store.defers_deletes(), Some(entry));
         let mapped = Bound::new(py, mapped)?;
         frame_views(py, mapped.as_any(), &layout.frames)
     }
