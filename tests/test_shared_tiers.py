@@ -180,26 +180,43 @@ def test_files_another_holder_links_move_down_last(shm_dir, disk_root):
     """Over budget, tier 2 moves the files only this buffer holds first,
     older or not: moving a file a peer also links frees no RAM while the
     peer holds it, and each holder that moved it would write a copy of its
-    own to disk. Shared files move too once the others do not make room."""
-    buf = make_buffer(shm_dir, disk_root, budget=40 * MiB, target=0)
+    own to disk. Shared files move too, oldest first, once the others do
+    not make room; one whose peer let go moves again in its turn."""
+    buf = make_buffer(shm_dir, disk_root, budget=48 * MiB, target=0)
     tiers = buf.store.tiers
-    for k in "abcd":  # 8 MiB each, oldest first; all in tier 2
+    for k in "abcde":  # 8 MiB each, oldest first; all in tier 2
         buf[k] = np.full(MiB, ord(k), dtype="f8")
     peer = os.path.join(shm_dir, "peer")
     os.mkdir(peer)
-    for k in "ab":  # a peer holds the two oldest (as after a transfer by link)
-        os.link(buf.store.path(k), os.path.join(peer, k))
-    assert [tiers.tier_of(buf.store.file_of(k)) for k in "abcd"] == [2, 2, 2, 2]
+    for k in "abd":  # handed to a peer by link, as a transfer does
+        outgoing = tiers.link_out(buf.store.file_of(k))
+        os.link(outgoing, os.path.join(peer, k))
+        os.unlink(outgoing)  # the handshake's end
+    tiers.refresh_links()  # the worker's publisher thread does this
+
+    def where() -> str:
+        return "".join(str(tiers.tier_of(buf.store.file_of(k))) for k in "abcde")
+
+    assert where() == "22222"
     tier2 = tiers.tier("shared").budget
-    size = tiers.sizes(buf.store.file_of("a"))[1]
-    tier2.limit = tier2.used - size  # one file must go
+    size = tiers.sizes(buf.store.file_of("c"))[1]
+    tier2.limit = tier2.used - size  # one file must go: the oldest unshared
     tiers.enforce()
-    assert [tiers.tier_of(buf.store.file_of(k)) for k in "abcd"] == [2, 2, 3, 2]
-    tier2.limit = tier2.used - 2 * size  # two more: the last unshared one, then the oldest
+    assert where() == "22322"
+    tier2.limit = tier2.used - 2 * size  # the last unshared, then the oldest shared
     tiers.enforce()
-    assert [tiers.tier_of(buf.store.file_of(k)) for k in "abcd"] == [3, 2, 3, 3]
-    assert tiers.moves == 3
-    for k in "abcd":
+    assert where() == "32323"
+    os.unlink(os.path.join(peer, "d"))  # the peer lets d go: only ours now
+    tiers.refresh_links()
+    tier2.limit = tier2.used + 2 * size  # room for f (and its header)
+    buf["f"] = np.full(MiB, ord("f"), dtype="f8")  # newer than d, unshared
+    assert tiers.tier_of(buf.store.file_of("f")) == 2
+    tier2.limit = tier2.used - size
+    tiers.enforce()
+    assert where() == "32333"
+    assert tiers.tier_of(buf.store.file_of("f")) == 2
+    assert tiers.moves == 4
+    for k in "abcdef":
         np.testing.assert_array_equal(buf[k], np.full(MiB, ord(k), dtype="f8"))
     buf.close()
 

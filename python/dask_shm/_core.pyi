@@ -157,6 +157,9 @@ class FileStore:
         """Correct the link counts of shared entries, which other processes
         change (one ``lstat`` each, the GIL released: O(shared entries), for a
         background thread). Returns how many changed."""
+    def refresh_links_changed(self) -> list[tuple[str, int]]:
+        """:meth:`refresh_links`, returning ``(name, links now)`` of each
+        entry whose count changed."""
     def shared_len(self) -> int:
         """Number of shared entries (what :meth:`refresh_links` looks at)."""
     def adopt(
@@ -469,9 +472,14 @@ class TierBudget:
     def pin(self, name: str) -> None: ...
     def unpin(self, name: str) -> None: ...
     def is_pinned(self, name: str) -> bool: ...
+    def set_deferred(self, name: str, deferred: bool) -> None:
+        """Whether the entry moves only after every entry that is not
+        deferred (a file another holder links too); its last use is kept."""
+    def is_deferred(self, name: str) -> bool: ...
     def plan(self, incoming: int) -> tuple[list[str], bool]:
-        """``(victims, fits)``: entries to move out, oldest first, and whether
-        ``incoming`` more bytes then fit within the limit."""
+        """``(victims, fits)``: entries to move out, oldest first (deferred
+        ones after all the others), and whether ``incoming`` more bytes then
+        fit within the limit."""
     def __len__(self) -> int: ...
 
 # -- arrays born shared (rust/core/born.rs, rust/py/born.rs) ----------------------

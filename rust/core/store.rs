@@ -561,6 +561,12 @@ impl FileStore {
     /// Returns how many counts changed. O(shared entries): callers run it off
     /// the event loop and rate-limit it.
     pub fn refresh_links(&self) -> usize {
+        self.refresh_links_changed().len()
+    }
+
+    /// `refresh_links`, returning the entries whose count changed, each
+    /// with its count now.
+    pub fn refresh_links_changed(&self) -> Vec<(String, u64)> {
         let names = self.ledger().shared_names();
         let seen: Vec<(String, u64)> = names
             .into_iter()
@@ -572,7 +578,7 @@ impl FileStore {
         let mut ledger = self.ledger();
         seen.into_iter()
             .filter(|(name, links)| ledger.update_links(name, *links))
-            .count()
+            .collect()
     }
 
     /// Entries whose link counts `refresh_links` checks.

@@ -43,6 +43,8 @@ struct Entry {
     size: u64,
     last_use: u64,
     pins: u32,
+    /// Moves after the others (see `TierBudget::set_deferred`).
+    deferred: bool,
 }
 
 /// What to do before writing `incoming` bytes to tier 2.
@@ -69,10 +71,13 @@ pub struct TierBudget {
     used: u64,
     clock: u64,
     entries: HashMap<String, Entry>,
-    /// last use -> name of every unpinned entry, least recently used first
-    /// (each use has its own tick of `clock`, so a last use names one entry)
+    /// last use -> name of every unpinned entry that is not deferred, least
+    /// recently used first (each use has its own tick of `clock`, so a last
+    /// use names one entry)
     movable: BTreeMap<u64, String>,
-    /// bytes of the entries in `movable`
+    /// the same for the unpinned deferred entries
+    movable_deferred: BTreeMap<u64, String>,
+    /// bytes of the entries in `movable` and `movable_deferred`
     movable_bytes: u64,
 }
 
@@ -109,13 +114,21 @@ impl TierBudget {
         self.clock
     }
 
+    fn movable_of(&mut self, e: &Entry) -> &mut BTreeMap<u64, String> {
+        if e.deferred {
+            &mut self.movable_deferred
+        } else {
+            &mut self.movable
+        }
+    }
+
     fn make_movable(&mut self, name: &str, e: &Entry) {
-        self.movable.insert(e.last_use, name.to_owned());
+        self.movable_of(e).insert(e.last_use, name.to_owned());
         self.movable_bytes += e.size;
     }
 
     fn make_fixed(&mut self, e: &Entry) {
-        if self.movable.remove(&e.last_use).is_some() {
+        if self.movable_of(e).remove(&e.last_use).is_some() {
             self.movable_bytes -= e.size;
         }
     }
@@ -128,6 +141,7 @@ impl TierBudget {
             size,
             last_use,
             pins: 0,
+            deferred: false,
         };
         self.make_movable(name, &e);
         self.entries.insert(name.to_owned(), e);
@@ -196,14 +210,39 @@ impl TierBudget {
         self.entries.get(name).is_some_and(|e| e.pins > 0)
     }
 
-    /// Which entries to move so that `incoming` more bytes fit.
+    /// Whether the entry moves only after every entry that is not deferred
+    /// (a file another holder links too: moving it frees no RAM while that
+    /// link lives). Its last use stays as it was.
+    pub fn set_deferred(&mut self, name: &str, deferred: bool) {
+        let Some(e) = self.entries.get(name).cloned() else {
+            return;
+        };
+        if e.deferred == deferred {
+            return;
+        }
+        if e.pins == 0 {
+            self.make_fixed(&e);
+        }
+        let e = Entry { deferred, ..e };
+        if e.pins == 0 {
+            self.make_movable(name, &e);
+        }
+        self.entries.insert(name.to_owned(), e);
+    }
+
+    pub fn is_deferred(&self, name: &str) -> bool {
+        self.entries.get(name).is_some_and(|e| e.deferred)
+    }
+
+    /// Which entries to move so that `incoming` more bytes fit: least
+    /// recently used first, the deferred ones after all the others. O(victims).
     pub fn plan(&self, incoming: u64) -> Plan {
         let over = |extra: u64| (self.used + extra).saturating_sub(self.limit);
         let fits = incoming <= self.limit && over(incoming) <= self.movable_bytes;
         let need = if fits { over(incoming) } else { over(0) };
         let mut victims = Vec::new();
         let mut freed = 0;
-        for name in self.movable.values() {
+        for name in self.movable.values().chain(self.movable_deferred.values()) {
             if freed >= need {
                 break;
             }
@@ -433,5 +472,35 @@ mod tests {
                 b.entries.values().filter(|e| e.pins == 0).count()
             );
         }
+    }
+
+    #[test]
+    fn deferred_entries_move_after_the_others_in_lru_order() {
+        let mut b = TierBudget::new(100);
+        for (name, size) in [("s1", 20), ("u1", 20), ("s2", 20), ("u2", 20), ("s3", 20)] {
+            b.add(name, size);
+            b.set_deferred(name, name.starts_with('s'));
+        }
+        assert!(b.plan(0).victims.is_empty() && b.plan(0).fits);
+        // The two unshared ones suffice, whatever their age; then the
+        // deferred ones, oldest first.
+        assert_eq!(b.plan(30).victims, ["u1", "u2"]);
+        assert_eq!(b.plan(50).victims, ["u1", "u2", "s1"]);
+        // Deferring keeps an entry's last use; a use moves it back.
+        b.set_deferred("u1", true);
+        assert_eq!(b.plan(30).victims, ["u2", "s1"]);
+        b.set_deferred("u1", false);
+        b.touch("u1");
+        b.touch("s1");
+        assert_eq!(b.plan(70).victims, ["u2", "u1", "s2", "s3"]);
+        // Pinned entries never move, deferred or not; unpinned they come back.
+        b.pin("s2");
+        b.set_deferred("s2", false);
+        assert_eq!(b.plan(60).victims, ["u2", "u1", "s3"]);
+        b.unpin("s2");
+        assert!(!b.is_deferred("s2") && b.is_deferred("s3"));
+        assert_eq!(b.plan(60).victims, ["u2", "u1", "s2"]);
+        assert!(b.remove("s3") && b.used() == 80);
+        assert_eq!(b.plan(100).victims, ["u2", "u1", "s2", "s1"]);
     }
 }

@@ -330,6 +330,13 @@ impl FileStore {
         py.detach(|| store.refresh_links())
     }
 
+    /// `refresh_links`, returning `(name, links now)` of each entry whose
+    /// count changed.
+    fn refresh_links_changed(&self, py: Python<'_>) -> Vec<(String, u64)> {
+        let store = Arc::clone(&self.inner);
+        py.detach(|| store.refresh_links_changed())
+    }
+
     /// Number of shared entries (what `refresh_links` stats).
     fn shared_len(&self) -> usize {
         self.inner.shared_len()

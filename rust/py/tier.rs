@@ -89,8 +89,17 @@ impl TierBudget {
         self.lock().is_pinned(name)
     }
 
+    fn set_deferred(&self, name: &str, deferred: bool) {
+        self.lock().set_deferred(name, deferred)
+    }
+
+    fn is_deferred(&self, name: &str) -> bool {
+        self.lock().is_deferred(name)
+    }
+
     /// `(victims, fits)`: least recently used unpinned entries to move out,
-    /// oldest first, and whether `incoming` bytes then fit.
+    /// oldest first (deferred ones after the others), and whether
+    /// `incoming` bytes then fit.
     fn plan(&self, incoming: u64) -> (Vec<String>, bool) {
         let plan = self.lock().plan(incoming);
         (plan.victims, plan.fits)

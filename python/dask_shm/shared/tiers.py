@@ -66,10 +66,6 @@ _FRAME_OVERHEAD = 128
 #: spilling a value) for the whole move
 MOVE_STEP = 16 * 2**20
 
-#: times a tier's plan is made again without the shared files it picked
-#: (see :meth:`TieredFiles._plan`); past them those files are left out of it
-_PLAN_ROUNDS = 4
-
 #: number of the first file tier (tier 1 is private memory)
 FIRST_FILE_TIER = 2
 
@@ -305,8 +301,26 @@ class TieredFiles:
     def refresh_links(self) -> int:
         """Correct the link counts of every tier's shared files (O(shared
         files), the GIL released: for a background thread); returns how
-        many changed."""
-        return sum(int(t.store.refresh_links()) for t in self.tiers)
+        many changed. A file whose other links are all gone moves again
+        in its turn; one that gained some moves after the others."""
+        changed = 0
+        for index, tier in enumerate(self.tiers):
+            seen = tier.store.refresh_links_changed()
+            changed += len(seen)
+            if tier.budget is None or not seen:
+                continue
+            with self._lock:
+                # The first tier's store names its entries as they are named here.
+                here = None if index == 0 else self._names_here(index)
+                for inner, links in seen:
+                    name = inner if here is None else here.get(inner)
+                    if name is not None:
+                        tier.budget.set_deferred(name, links > 1)
+        return changed
+
+    def _names_here(self, index: int) -> dict[str, str]:
+        """Name in the store of tier ``index`` (not the first) -> name here."""
+        return {inner: name for name, (i, inner) in self._placed.items() if i == index}
 
     # -- moving ------------------------------------------------------------------
 
@@ -373,62 +387,22 @@ class TieredFiles:
     def _move_over_budget(self, incoming: int, max_bytes: int | None) -> tuple[bool, int]:
         """(whether the first tier has room for ``incoming`` bytes, bytes
         moved), moving files over budget down the tiers until done or, with
-        ``max_bytes``, once that many have moved. Files of this tier that
-        another holder links too move only when the others do not make the
-        room (see :meth:`_plan`)."""
+        ``max_bytes``, once that many have moved. Files a peer links too
+        move after the others (deferred in their tier's budget)."""
         with self._lock:
             fits, before = True, self.moved_bytes
             for index, tier in enumerate(self.tiers[:-1]):
                 assert tier.budget is not None
-                for shared_too in (False, True):
-                    victims, room, held_back = self._plan(
-                        tier.budget, incoming if index == 0 else 0, shared_too
-                    )
-                    if index == 0:
-                        fits = room
-                    for done, name in enumerate(victims, 1):
-                        self._move(name, index)
-                        if max_bytes is not None and self.moved_bytes - before >= max_bytes:
-                            if index == 0 and (done < len(victims) or not room):
-                                fits = False  # the room needs more files to move
-                            return fits, self.moved_bytes - before
-                    if room or not held_back:
-                        break
+                victims, room = tier.budget.plan(incoming if index == 0 else 0)
+                if index == 0:
+                    fits = room
+                for done, name in enumerate(victims, 1):
+                    self._move(name, index)
+                    if max_bytes is not None and self.moved_bytes - before >= max_bytes:
+                        if index == 0 and done < len(victims):
+                            fits = False  # the room needs the victims left
+                        return fits, self.moved_bytes - before
             return fits, self.moved_bytes - before
-
-    def _plan(
-        self, budget: TierBudget, incoming: int, shared_too: bool
-    ) -> tuple[list[str], bool, bool]:
-        """``budget.plan(incoming)`` and whether files were left out of it:
-        unless ``shared_too``, the files that another holder links too (a
-        peer that received them, a link on its way out). Moving such a file
-        frees no RAM while the other link lives, and every holder that moves
-        it writes a copy of its own to the next tier: they go last, once the
-        files only this buffer holds do not make the room. Their link counts
-        are read for the candidates only (one ``lstat`` each)."""
-        held_back: list[str] = []
-        try:
-            for _ in range(_PLAN_ROUNDS):
-                victims, room = budget.plan(incoming)
-                shared = [] if shared_too else [n for n in victims if self._linked_elsewhere(n)]
-                if not shared:
-                    return victims, room, bool(held_back)
-                # Out of the plan while it is made again (the lock is held:
-                # no pin or unpin of anyone else's happens meanwhile).
-                for name in shared:
-                    budget.pin(name)
-                held_back += shared
-            kept = set(held_back)
-            return [n for n in victims if n not in kept], False, True
-        finally:
-            for name in held_back:
-                budget.unpin(name)
-
-    def _linked_elsewhere(self, name: str) -> bool:
-        try:
-            return self.link_count(name) > 1
-        except (KeyError, OSError):
-            return False
 
     @property
     def first_ceiling(self) -> int:
@@ -580,6 +554,7 @@ class TieredFiles:
                 # peer's outgoing link, the last one, goes once the handshake ends).
                 holders = max(tier.store.link_count(inner) - 1, 1)
                 tier.budget.add(name, disk // holders)
+                tier.budget.set_deferred(name, holders > 1)
             return name, disk
 
     def index_named(self, path: str) -> int:
@@ -607,7 +582,10 @@ class TieredFiles:
             tier = self.tiers[index]
             if not tier.linkable or (tiers is not None and tier.number not in tiers):
                 return None
-            return str(tier.store.link_out(inner, tier.outgoing))
+            path = str(tier.store.link_out(inner, tier.outgoing))
+            if tier.budget is not None:
+                tier.budget.set_deferred(name, True)  # until a refresh sees the link go
+            return path
 
     def settled(self) -> threading.RLock:
         """Held, no file moves between tiers: where a file is and what
