@@ -241,3 +241,38 @@ def test_mappings_of_files_on_disk_count_neither_way(tmp_path):
     store.delete(name)
     assert mapping_memory() == base
     del views
+
+
+def test_the_nanny_counts_shared_pages_only_on_figures_newer_than_its_last_look(shm_dir):
+    """The nanny reads a worker's figures from the file it publishes. Figures
+    older than the nanny's last look (a publisher waiting for the GIL, a
+    full root) may miss a mapping made since, whose pages would then count
+    twice: the shared pages are then left out, as before the worker's
+    figures existed. Fresh figures count them, as far as two looks saw them.
+    This process plays the worker."""
+    from dask_shm.procmem import process_memory
+    from dask_shm.shared import paths
+    from dask_shm.shared.monitor import _PrivateMemoryTerminator
+    from dask_shm.shared.published_share import SharePublisher, share_path
+
+    size = 64 * MiB
+    _own_shared_memory(size, shm_dir)
+    try:
+        publisher = SharePublisher(
+            share_path(paths.subdir(shm_dir, "w")), lambda: 0, lambda: None, pages=lambda: (0, 0)
+        )
+        terminator = _PrivateMemoryTerminator(None, shm_dir)  # type: ignore[arg-type]
+        pid = os.getpid()
+
+        def held() -> int:
+            return terminator.parts(pid)[0] - process_memory().private
+
+        publisher.publish()
+        assert held() < size // 2  # a first look: nothing to compare with
+        assert held() < size // 2  # figures from before the last look: stale
+        publisher.publish()
+        assert held() >= size * 9 // 10  # fresh, and seen by both looks
+        assert held() < size // 2
+        publisher.stop()
+    finally:
+        _drop_held()

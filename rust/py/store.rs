@@ -188,11 +188,11 @@ impl FileStore {
     /// failed deletion.
     fn give_for_reuse(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
         let store = Arc::clone(&self.inner);
-        let pooled = py
-            .detach(move || store.give_for_reuse(name))
-            .map_err(|e| io_error_at(e, self.inner.directory()))?;
-        release_entry(self.id(), name);
-        Ok(pooled)
+        let pooled = py.detach(move || store.give_for_reuse(name));
+        if self.inner.sizes(name).is_none() {
+            release_entry(self.id(), name);
+        }
+        pooled.map_err(|e| io_error_at(e, self.inner.directory()))
     }
 
     /// Read a file back as one memoryview per frame, copied into a private

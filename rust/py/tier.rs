@@ -21,12 +21,13 @@ pub fn move_entry(
     dst: &FileStore,
 ) -> PyResult<(String, u64)> {
     let (s, d) = (Arc::clone(&src.inner), Arc::clone(&dst.inner));
-    let moved = py
-        .detach(|| tier::move_entry(&s, name, &d))
-        .map_err(|e| to_pyerr_at(e, &d.path_of(name)))?;
-    // A mapping of the old file keeps it in RAM now that `src` lets it go.
-    release_entry(src.id(), name);
-    Ok(moved)
+    let moved = py.detach(|| tier::move_entry(&s, name, &d));
+    // A mapping of the old file keeps it in RAM once `src` lets it go (which
+    // a move can do and still fail: an unlink that failed after the copy).
+    if s.sizes(name).is_none() {
+        release_entry(src.id(), name);
+    }
+    moved.map_err(|e| to_pyerr_at(e, &d.path_of(name)))
 }
 
 /// Byte budget of tier 2 in least-recently-used order (see `dask_shm_core::tier`).

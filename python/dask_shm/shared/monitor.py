@@ -36,6 +36,7 @@ Rust ledger (:meth:`dask_shm._core.FileStore.total`).
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -138,6 +139,9 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
         share_path(buffer.store.directory),
         tiers.ram_bytes,
         tiers.refresh_links,
+        # Twice per look of the nanny (every 100 ms): it counts shared
+        # pages only on figures stamped after its last look.
+        interval=0.05,
         alive=worker_alive(worker),
         pages=_published_pages,
     )
@@ -172,27 +176,34 @@ class _PrivateMemoryTerminator:
         self.nanny = nanny
         self.root = root
         self.last_terminated_pid = -1
-        #: (pid, the shared pages not dask-shm's at the last look)
-        self._foreign: tuple[int, int] = (-1, 0)
+        #: pid, shared pages and time of the last look at that worker
+        self._last: tuple[int, int, float] = (-1, 0, 0.0)
 
     def parts(self, pid: int) -> tuple[int, int]:
         """What worker process ``pid`` holds and the share of tmpfs files it
         publishes; O(1) in its number of files. Raises ProcessLookupError
         if it is gone.
 
-        The worker publishes its figures every 100 ms, so pages of a mapping
-        it has just made can show in its ``RssShmem`` before they show in
-        what it published: the shared pages that are not dask-shm's count
-        only as far as two looks in a row saw them."""
+        What the worker published is up to 100 ms old (more if its
+        publisher waits for the GIL or the root is full), and a mapping it
+        made since has pages in its ``RssShmem`` that the figures do not
+        name. So the shared pages that are not dask-shm's count only when
+        the figures were read after the last look, and only as far as that
+        look saw them too; else none count, and the files only its
+        mappings keep neither (the count of old: never more than it holds)."""
+        now = time.monotonic()
         memory = process_memory(pid)
         if self.root is None:
             return memory.private, 0
         published = read_published(self.root, pid)
-        foreign = max(0, memory.shmem - published.mapped)
-        last_pid, last = self._foreign
-        self._foreign = (pid, foreign)
-        if last_pid == pid:
-            foreign = min(foreign, last)
+        last_pid, last_shmem, last_time = self._last
+        self._last = (pid, memory.shmem, now)
+        stamp = published.stamp
+        if last_pid != pid or stamp is None or stamp <= last_time:
+            return memory.private, published.share
+        # Each look's pages against figures that name every mapping made
+        # before the last look: what both leave over is not dask-shm's.
+        foreign = max(0, min(memory.shmem, last_shmem) - published.mapped)
         return memory.private + foreign + published.kept, published.share
 
     def memory(self, pid: int) -> int:

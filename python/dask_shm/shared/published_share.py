@@ -76,20 +76,25 @@ class Published(NamedTuple):
     #: bytes it holds that neither its private memory nor its share shows
     #: (:attr:`dask_shm.shared.monitor.SharedPages.kept`, born blocks only it holds)
     kept: int = 0
+    #: ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process
+    #: of the host) just before ``mapped`` and ``kept`` were read; None if
+    #: not published. The worker publishes every 100 ms while its publisher
+    #: gets the GIL and the root has room, so an old stamp means stale figures.
+    stamp: float | None = None
 
 
 def _parse(text: bytes, namespace: int | None) -> Published:
     """The numbers of a published file: ``<share>``, ``<share> <pid
-    namespace>`` or ``<share> <pid namespace or -> <mapped> <kept>``;
-    nothing for another namespace's. ValueError if garbled."""
+    namespace>`` or ``<share> <pid namespace or -> <mapped> <kept>
+    <stamp>``; nothing for another namespace's. ValueError if garbled."""
     parts = text.split()
     if not parts:
         return Published()
     if len(parts) > 1 and parts[1] != b"-" and namespace is not None:
         if int(parts[1]) != namespace:
             return Published()
-    if len(parts) >= 4:
-        return Published(int(parts[0]), int(parts[2]), int(parts[3]))
+    if len(parts) >= 5:
+        return Published(int(parts[0]), int(parts[2]), int(parts[3]), float(parts[4]))
     return Published(int(parts[0]))
 
 
@@ -112,6 +117,7 @@ def read_published(root: str, pid: int) -> Published:
     process) and the process's directories (one entry per buffer), reads
     one small file per buffer. Never raises."""
     share = mapped = kept = 0
+    stamp: float | None = None
     namespace = pid_namespace()
     for directory in _process_dirs(root, pid):
         try:
@@ -126,8 +132,9 @@ def read_published(root: str, pid: int) -> Published:
             except (OSError, ValueError):
                 continue
             share += one.share
-            mapped, kept = max(mapped, one.mapped), max(kept, one.kept)
-    return Published(share, mapped, kept)
+            if one.stamp is not None and (stamp is None or one.stamp > stamp):
+                mapped, kept, stamp = one.mapped, one.kept, one.stamp
+    return Published(share, mapped, kept, stamp)
 
 
 def read_published_share(root: str, pid: int) -> int:
@@ -139,7 +146,7 @@ def read_published_share(root: str, pid: int) -> int:
 class SharePublisher:
     """A daemon thread that publishes ``share()`` at ``path``, with
     ``pages()`` (``(mapped, kept)``, see :class:`Published`; zeros if not
-    given), whenever they change (checked every ``interval`` seconds) and
+    given) and the time they were read, every ``interval`` seconds, and
     calls ``refresh()``
     (the link-count correction, O(shared files), expected to release the
     GIL) at most every ``refresh_interval`` seconds and at most
@@ -165,7 +172,6 @@ class SharePublisher:
         self.interval = interval
         self.refresh_interval = refresh_interval
         self._stop = threading.Event()
-        self._published: tuple[int, int, int] | None = None
         namespace = pid_namespace()
         self._namespace = "-" if namespace is None else str(namespace)
         self._thread = threading.Thread(
@@ -180,21 +186,20 @@ class SharePublisher:
         self._thread.start()
 
     def publish(self) -> None:
-        """Write the current figures if they differ from the last ones written."""
+        """Write the current figures, stamped (a reader tells stale figures
+        by their stamp: the file is written even when they did not change)."""
+        stamp = time.monotonic()
         # The pages first: a mapping made meanwhile then shows in neither.
         mapped, kept = (0, 0) if self._pages is None else self._pages()
-        value = (self._share(), mapped, kept)
-        if value == self._published:
-            return
+        share = self._share()
         tmp = f"{self.path}.tmp"
         try:
             with open(tmp, "w") as f:
-                f.write(f"{value[0]} {self._namespace} {mapped} {kept}")
+                f.write(f"{share} {self._namespace} {mapped} {kept} {stamp:.6f}")
             os.replace(tmp, self.path)
         except OSError as e:
+            # A full root, say: the last figures stay, and age.
             logger.debug("dask-shm: cannot publish the share at %s: %s", self.path, e)
-            return
-        self._published = value
 
     def _run(self) -> None:
         try:
