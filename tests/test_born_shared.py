@@ -549,6 +549,36 @@ def test_adopt_born_a_store_writes_only_the_header(arena: str, shm_dir: str, tmp
     assert store.adopt_born("y", np.ones(MiB)) is None  # not born
 
 
+def test_a_born_array_that_outlives_its_spilled_key_keeps_counting(
+    arena: str, shm_dir: str, tmp_path: Any
+) -> None:
+    """A born array whose block became a store's file counts as a mapping
+    of that file (its pages are in the share); once the key is gone while
+    the array lives, as a file only this process keeps, until it is freed."""
+    import gc
+
+    from dask_shm._core import flush_deletes, mapping_memory
+    from dask_shm.shared.monitor import own_shared_pages
+
+    store = _store(shm_dir, tmp_path)
+    base = mapping_memory()
+    with born.allocating():
+        a = np.ones(MiB)  # 8 MiB
+    length = born.whole_block(a).length
+    pages = own_shared_pages()
+    store["x"] = a  # spilled: the block is now the store's file
+    assert not born.whole_block(a).owned
+    assert mapping_memory() == (base[0] + length, base[1])
+    # mapped bytes count once: no longer the arena's own, now a file's mapping
+    assert own_shared_pages().mapped == pages.mapped
+    del store["x"]
+    assert mapping_memory() == (base[0] + length, base[1] + length)
+    del a
+    gc.collect()
+    flush_deletes()
+    assert mapping_memory() == base
+
+
 def test_store_spill_of_a_born_array_meters_one_header_write(
     arena: str, shm_dir: str, tmp_path: Any
 ) -> None:

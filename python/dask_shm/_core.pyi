@@ -527,9 +527,16 @@ def born_seal(address: int, length: int, header: bytes) -> str:
     Raises LookupError (no such block), FileExistsError (sealed with another
     header), ValueError (header too long) or OSError."""
 
-def born_disown(address: int, new_path: str | PathLike[str]) -> None:
+def born_disown(
+    address: int,
+    new_path: str | PathLike[str],
+    store: FileStore | None = None,
+    entry: str | None = None,
+) -> None:
     """The sealed block's file now lives at ``new_path``: its own name is
-    unlinked and freeing only unmaps. Raises LookupError."""
+    unlinked and freeing only unmaps. With ``store`` and ``entry`` (the
+    entry ``new_path`` is), the block counts as a mapping of that entry's
+    file in :func:`mapping_memory` until it is freed. Raises LookupError."""
 
 def born_header_size() -> int:
     """Bytes in front of a block's data inside its file (one page)."""

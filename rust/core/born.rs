@@ -55,7 +55,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The system page size (the offset of a block's bytes inside its file).
@@ -122,6 +122,8 @@ pub struct BlockInfo {
     pub path: PathBuf,
     pub start: usize,
     pub len: usize,
+    /// Bytes mapped (`len` in whole pages).
+    pub map_len: usize,
     pub sealed: bool,
     pub owned: bool,
 }
@@ -301,6 +303,8 @@ pub struct Arena {
     refused_error: AtomicU64,
     reused: AtomicU64,
     evicted: AtomicU64,
+    /// Told the address of a disowned block once it is unmapped.
+    on_disowned_unmap: OnceLock<fn(usize)>,
 }
 
 impl Drop for Arena {
@@ -434,6 +438,7 @@ impl Arena {
             refused_error: AtomicU64::new(0),
             reused: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
+            on_disowned_unmap: OnceLock::new(),
         }
     }
 
@@ -836,7 +841,19 @@ impl Arena {
         if block.owned && !forked {
             unlink(&block.path);
         }
+        if !block.owned {
+            if let Some(hook) = self.on_disowned_unmap.get() {
+                hook(addr);
+            }
+        }
         true
+    }
+
+    /// Have `hook` told the address of every disowned block once `free`
+    /// unmapped it (whoever tracks the mappings of the files it was given
+    /// to); the first hook set stays.
+    pub fn on_disowned_unmap(&self, hook: fn(usize)) {
+        let _ = self.on_disowned_unmap.set(hook);
     }
 
     /// True when the block's file is still exactly as the arena made it and
@@ -952,6 +969,7 @@ impl Arena {
             path: block.path.clone(),
             start,
             len: block.len,
+            map_len: block.map_len,
             sealed: block.sealed.is_some(),
             owned: block.owned,
         })

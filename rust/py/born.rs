@@ -17,6 +17,8 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::buffers::{track_block, untrack_block, EntryOfStore};
+use crate::store::FileStore;
 use dask_shm_core::born::{default_cache, Arena, Realloc, Settings, DEFAULT_CACHE_DECAY};
 
 /// The arena every born-shared allocation of this process comes from.
@@ -373,13 +375,35 @@ pub fn born_seal(py: Python<'_>, address: usize, length: usize, header: &[u8]) -
 /// ``new_path`` (a link the caller made, e.g. in a spill store): the
 /// block's own name is unlinked, look-ups report ``new_path`` and freeing the
 /// array only unmaps it. Raises ``LookupError`` if no sealed block starts there.
+///
+/// With ``store`` and ``entry`` (the store's entry that ``new_path`` is),
+/// the block counts as a mapping of that entry's file in
+/// ``mapping_memory()`` until the array is freed: once the entry is gone
+/// while the array lives, the file is one only this mapping keeps.
 #[pyfunction]
-pub fn born_disown(address: usize, new_path: PathBuf) -> PyResult<()> {
+#[pyo3(signature = (address, new_path, store=None, entry=None))]
+pub fn born_disown(
+    address: usize,
+    new_path: PathBuf,
+    store: Option<&FileStore>,
+    entry: Option<&str>,
+) -> PyResult<()> {
     ARENA.disown(address, &new_path).map_err(|_| {
         pyo3::exceptions::PyLookupError::new_err(format!(
             "no sealed born-shared block at {address:#x}"
         ))
-    })
+    })?;
+    if let (Some(store), Some(name), Some(block)) = (store, entry, ARENA.lookup(address)) {
+        ARENA.on_disowned_unmap(untrack_block);
+        let exists = || store.inner.sizes(name).is_some();
+        let entry = EntryOfStore {
+            store: store.id(),
+            name,
+            exists: &exists,
+        };
+        track_block(block.start, block.map_len, &new_path, entry);
+    }
+    Ok(())
 }
 
 /// Bytes in front of a block's data in its file (the room for a header).

@@ -176,6 +176,10 @@ struct Mappings {
     /// mapping of each (whole pages). Those files stay in RAM only because
     /// this process maps them, and nobody's share counts them.
     kept: usize,
+    /// Start -> (file, length) of the born-shared blocks whose files were
+    /// given to a store (`track_block`): the arena's mappings, counted here
+    /// like a `MappedFile` until the arena unmaps them.
+    blocks: HashMap<usize, (Option<FileId>, usize)>,
 }
 
 #[derive(Default)]
@@ -285,6 +289,56 @@ pub fn release_store(store: usize) {
     }
 }
 
+/// The born-shared block mapped at `start` (`len` bytes) maps the file at
+/// `path`, which `entry` now holds: counted as a mapping of it (`mapped`,
+/// and `kept` once no entry holds it) until `untrack_block(start)`.
+pub fn track_block(start: usize, len: usize, path: &std::path::Path, entry: EntryOfStore<'_>) {
+    let file_id = std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()));
+    with_mappings(|m| {
+        if let Some((old_id, old_len)) = m.blocks.remove(&start) {
+            forget_range(m, old_id, (start, old_len), true);
+        }
+        m.mapped += whole_pages(len);
+        m.blocks.insert(start, (file_id, len));
+        let Some(id) = file_id else { return };
+        if (entry.exists)() {
+            m.hold((entry.store, entry.name.to_owned()), id);
+        }
+        m.change(id, |f| {
+            f.ram = true;
+            f.ranges.push((start, len));
+        });
+    });
+}
+
+/// The block mapped at `start` is unmapped (a no-op for an untracked one).
+pub fn untrack_block(start: usize) {
+    if let Some(m) = mappings().as_mut() {
+        if let Some((id, len)) = m.blocks.remove(&start) {
+            forget_range(m, id, (start, len), true);
+        }
+    }
+}
+
+/// Take one live mapping `range` of file `id` (if known; of a RAM-backed
+/// file if `ram`) out of the counts.
+fn forget_range(m: &mut Mappings, id: Option<FileId>, range: (usize, usize), ram: bool) {
+    if ram {
+        m.mapped -= whole_pages(range.1);
+    }
+    if let Some(id) = id {
+        // One of them: a new mapping of the file may already have been made
+        // at the same address, between the unmap and now.
+        m.change(id, |f| {
+            if let Some(i) = f.ranges.iter().position(|&r| r == range) {
+                f.ranges.swap_remove(i);
+            }
+        });
+    }
+}
+
 impl MappedFile {
     /// Wrap a mapping of the file at `path` (just opened and mapped: its
     /// device and inode are read from that path now). With
@@ -358,18 +412,7 @@ impl Drop for Unmapping {
         let range = (map.as_ptr() as usize, map.len());
         drop(map);
         if let Some(m) = mappings().as_mut() {
-            if self.ram {
-                m.mapped -= whole_pages(range.1);
-            }
-            if let Some(id) = self.file_id {
-                // One of them: a new mapping of the file may already have
-                // been made at the same address, between the unmap and now.
-                m.change(id, |f| {
-                    if let Some(i) = f.ranges.iter().position(|&r| r == range) {
-                        f.ranges.swap_remove(i);
-                    }
-                });
-            }
+            forget_range(m, self.file_id, range, self.ram);
         }
     }
 }

@@ -275,12 +275,21 @@ def seal_block(block: Block, prefix: bytes) -> str | None:
         return None
 
 
-def disown(value: object, new_path: str, *, block: Block | None = None) -> None:
+def disown(
+    value: object,
+    new_path: str,
+    *,
+    block: Block | None = None,
+    holder: tuple[_core.FileStore, str] | None = None,
+) -> None:
     """The sealed file of ``value``'s block now lives (also) at ``new_path``:
     the arena unlinks its own name and stops deleting the file on free.
     Raises LookupError if ``value`` is not a sealed block. ``block``:
-    :func:`whole_block` of ``value``, if the caller has it."""
+    :func:`whole_block` of ``value``, if the caller has it. ``holder``:
+    the store and entry that ``new_path`` is, whose file the block then
+    counts as mapping (``_core.mapping_memory()``) until it is freed."""
     block = block or whole_block(value)
     if block is None:
         raise LookupError("not a born-shared array")
-    _core.born_disown(block.start, new_path)
+    store, entry = holder if holder is not None else (None, None)
+    _core.born_disown(block.start, new_path, store, entry)

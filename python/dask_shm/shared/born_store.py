@@ -34,10 +34,11 @@ class BornFile:
         block is no longer the arena's to seal."""
         return born.seal_block(self.block, self.prefix)
 
-    def hand_over(self, value: object, path: str) -> None:
-        """The sealed file now lives (also) at ``path``, a store's: the arena
-        drops its own name and no longer deletes the file (:func:`born.disown`)."""
-        born.disown(value, path, block=self.block)
+    def hand_over(self, value: object, path: str, holder: tuple[_core.FileStore, str]) -> None:
+        """The sealed file now lives (also) at ``path``, entry ``holder[1]`` of
+        store ``holder[0]``: the arena drops its own name and no longer
+        deletes the file (:func:`born.disown`)."""
+        born.disown(value, path, block=self.block, holder=holder)
 
 
 def born_file(value: object) -> BornFile | None:

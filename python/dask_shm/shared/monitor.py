@@ -73,9 +73,9 @@ class SharedPages(NamedTuple):
 
 def own_shared_pages() -> SharedPages:
     """:class:`SharedPages` of this process now; O(1)."""
-    mapped, kept = _core.mapping_memory()
-    born = _core.born_stats()
-    return SharedPages(mapped + int(born["bytes"]) + int(born["cached_bytes"]), kept)
+    mapped, kept = _core.mapping_memory()  # born blocks given to a store included
+    born = _core.born_stats()  # the rest are the arena's own
+    return SharedPages(mapped + int(born["owned_bytes"]) + int(born["cached_bytes"]), kept)
 
 
 def held_memory(memory: ProcessMemory, pages: SharedPages) -> int:

@@ -255,7 +255,7 @@ class SharedSpillStore(SpillStore):
         except (OSError, ForgedHandleError) as e:
             logger.info("dask-shm: %r is written the ordinary way: %s", key, e)
             return None
-        found.hand_over(value, self.files.path(name))
+        found.hand_over(value, self.files.path(name), self.tiers.entry_of(name))
         self.shareable[name] = found.payload
         return name
 

@@ -280,6 +280,11 @@ class TieredFiles:
         file tier); KeyError for an unknown entry."""
         return self.holding(name).number
 
+    def entry_of(self, name: str) -> tuple[FileStore, str]:
+        """The store holding entry ``name`` and its name there."""
+        index, inner = self._locate(name)
+        return self.tiers[index].store, inner
+
     def holding(self, name: str) -> FileTier:
         """The tier holding entry ``name``; KeyError for an unknown entry."""
         placed = self._placed.get(name)
