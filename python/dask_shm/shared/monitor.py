@@ -184,7 +184,7 @@ class _PrivateMemoryTerminator:
         publishes; O(1) in its number of files. Raises ProcessLookupError
         if it is gone.
 
-        What the worker published is up to 100 ms old (more if its
+        What the worker published is up to 50 ms old (more if its
         publisher waits for the GIL or the root is full), and a mapping it
         made since has pages in its ``RssShmem`` that the figures do not
         name. So the shared pages that are not dask-shm's count only when

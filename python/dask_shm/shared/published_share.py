@@ -78,7 +78,7 @@ class Published(NamedTuple):
     kept: int = 0
     #: ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process
     #: of the host) just before ``mapped`` and ``kept`` were read; None if
-    #: not published. The worker publishes every 100 ms while its publisher
+    #: not published. A worker publishes every 50 ms while its publisher
     #: gets the GIL and the root has room, so an old stamp means stale figures.
     stamp: float | None = None
 
