@@ -166,20 +166,25 @@ impl TierBudget {
         self.reuse(name, now, 0);
     }
 
-    /// Set the entry's last use to `now` and add `pins` to its pins,
-    /// keeping `movable` in step.
+    /// Set the entry's last use to `now` and add `pins` to its pins.
     fn reuse(&mut self, name: &str, now: u64, pins: u32) {
+        self.update(name, |e| Entry {
+            last_use: now,
+            pins: e.pins + pins,
+            ..e
+        });
+    }
+
+    /// Replace a known entry by `change` of it, keeping the movable maps in
+    /// step.
+    fn update(&mut self, name: &str, change: impl FnOnce(Entry) -> Entry) {
         let Some(e) = self.entries.get(name).cloned() else {
             return;
         };
         if e.pins == 0 {
             self.make_fixed(&e);
         }
-        let e = Entry {
-            last_use: now,
-            pins: e.pins + pins,
-            ..e
-        };
+        let e = change(e);
         if e.pins == 0 {
             self.make_movable(name, &e);
         }
@@ -214,20 +219,7 @@ impl TierBudget {
     /// (a file another holder links too: moving it frees no RAM while that
     /// link lives). Its last use stays as it was.
     pub fn set_deferred(&mut self, name: &str, deferred: bool) {
-        let Some(e) = self.entries.get(name).cloned() else {
-            return;
-        };
-        if e.deferred == deferred {
-            return;
-        }
-        if e.pins == 0 {
-            self.make_fixed(&e);
-        }
-        let e = Entry { deferred, ..e };
-        if e.pins == 0 {
-            self.make_movable(name, &e);
-        }
-        self.entries.insert(name.to_owned(), e);
+        self.update(name, |e| Entry { deferred, ..e });
     }
 
     pub fn is_deferred(&self, name: &str) -> bool {
