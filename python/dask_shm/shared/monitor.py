@@ -69,13 +69,17 @@ class SharedPages(NamedTuple):
     #: files that only these mappings keep in RAM (no store entry of this
     #: process holds them any more), once each: counted as this process's own
     kept: int
+    #: the born arena's own blocks (:func:`dask_shm.shared.born.own_bytes`),
+    #: part of ``mapped``: a worker's monitor adds them back through
+    #: :mod:`~dask_shm.shared.born_worker`
+    arena: int
 
 
 def own_shared_pages() -> SharedPages:
     """:class:`SharedPages` of this process now; O(1)."""
     mapped, kept = _core.mapping_memory()  # born blocks given to a store included
-    born = _core.born_stats()  # the rest are the arena's own
-    return SharedPages(mapped + int(born["owned_bytes"]) + int(born["cached_bytes"]), kept)
+    arena = born_own_bytes()  # the rest of the arena's blocks
+    return SharedPages(mapped + arena, kept, arena)
 
 
 def held_memory(memory: ProcessMemory, pages: SharedPages) -> int:
@@ -151,10 +155,9 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
 
 def _published_pages() -> tuple[int, int]:
     """``(mapped, kept)`` for the nanny: :func:`own_shared_pages`, with the
-    born arena's own bytes in ``kept`` (the worker's monitor adds those
-    through :mod:`~dask_shm.shared.born_worker`)."""
+    born arena's own bytes in ``kept``, as the worker's monitor counts them."""
     pages = own_shared_pages()
-    return pages.mapped, pages.kept + born_own_bytes()
+    return pages.mapped, pages.kept + pages.arena
 
 
 def uninstall_worker_monitor(worker: Worker) -> None:
