@@ -94,11 +94,16 @@ def test_shuffle_and_rechunk_go_by_file_with_stock_results():
 
 
 def leftovers(root: str) -> list[str]:
-    """Batch files, and run directories of live workers, under ``root``."""
+    """Batch files, and run directories of live workers, under ``root``
+    (not a live worker's directory of idle batch files)."""
     user = os.path.join(root, f"dask-shm-{os.geteuid()}")
     return sorted(
         glob.glob(os.path.join(user, "**", "*.p2p"), recursive=True)
-        + glob.glob(os.path.join(user, "*", "p2p", "*", "*"))
+        + [
+            path
+            for path in glob.glob(os.path.join(user, "*", "p2p", "*", "*"))
+            if os.path.basename(path) != "idle"
+        ]
     )
 
 
@@ -407,8 +412,8 @@ def barriers_passed(dask_scheduler) -> bool:
 
 
 def test_a_run_that_sent_its_last_batch_keeps_no_idle_batch_file(shared_client, shm_root):
-    # While its outputs are read a run sends nothing: the files kept for its
-    # next batches go then, not when the run closes.
+    # While its outputs are read a run sends nothing: once no run of the
+    # worker sends, the files kept for later batches go, not when runs close.
     client = shared_client
     # rows into columns: 64 batches of ~1 MiB from each worker
     x = da.random.default_rng(2).random((4096, 4096), chunks=(64, 4096))
@@ -442,22 +447,32 @@ def test_a_run_that_sent_its_last_batch_keeps_no_idle_batch_file(shared_client, 
     wait_for_no_leftovers(shm_root)
 
 
-def test_a_run_keeps_few_idle_batch_files():
+def test_a_worker_keeps_few_idle_batch_files(tmp_path):
     from dask_shm.shared.p2p import POOL_BYTES, POOL_FILES, BatchFilePool
 
-    pool = BatchFilePool()
+    idle = tmp_path / "idle"
+    idle.mkdir()
+
+    def batch_file(name: str) -> str:
+        path = tmp_path / name
+        path.write_bytes(b"x")
+        return str(path)
+
+    pool = BatchFilePool(str(idle))
     assert pool.take() is None
-    assert all(pool.give(f"f{i}", 1) for i in range(POOL_FILES))
-    assert not pool.give("one-too-many", 1)
-    assert pool.take() == (f"f{POOL_FILES - 1}", 1)  # the last given, its pages warmest
-    pool = BatchFilePool()
-    assert pool.give("a", POOL_BYTES // 2) and pool.give("b", POOL_BYTES // 2)
-    assert not pool.give("c", 1) and pool.nbytes == POOL_BYTES
-    assert pool.take() == ("b", POOL_BYTES // 2) and pool.nbytes == POOL_BYTES // 2
-    assert not BatchFilePool().give("huge", POOL_BYTES + 1)
-    # once drained, every file given back is refused (the caller unlinks it)
-    assert pool.drain() == ["a"] and pool.nbytes == 0 and pool.take() is None
-    assert not pool.give("late", 1)
+    assert all(pool.give(batch_file(f"f{i}"), 1) for i in range(POOL_FILES))
+    assert not pool.give(batch_file("one-too-many"), 1)
+    assert len(os.listdir(idle)) == POOL_FILES  # moved out of their run's directory
+    path, size = pool.take()  # the last given, its pages warmest
+    assert os.path.dirname(path) == str(idle) and size == 1 and pool.nbytes == POOL_FILES - 1
+    pool.drain()
+    assert os.listdir(idle) == [path.rsplit("/", 1)[1]] and pool.take() is None
+    assert pool.give(batch_file("a"), POOL_BYTES // 2) and pool.give(
+        batch_file("b"), POOL_BYTES // 2
+    )
+    assert not pool.give(batch_file("c"), 1) and pool.nbytes == POOL_BYTES
+    assert not BatchFilePool(str(idle)).give(batch_file("huge"), POOL_BYTES + 1)
+    assert not pool.give(str(tmp_path / "gone"), 0)  # a file that cannot be moved
 
 
 def test_a_handle_reaching_a_worker_that_no_longer_takes_files_asks_for_bytes():

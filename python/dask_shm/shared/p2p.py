@@ -31,13 +31,15 @@ for runs of a worker registered with :func:`enable`):
 
 Batch files are reused (:class:`BatchFilePool`): a file the receiver
 answered OK for holds nothing the receiver still reads, so the sender writes
-its next batch into it, in place. A fresh file per batch cost the kernel
+a later batch into it, in place. A fresh file per batch cost the kernel
 more than loopback TCP does (allocating, charging and freeing its tmpfs
 pages: docs/benchmarks.md, "rechunk_p2p's extra kernel time"). A file
 whose call ended any other way (an error, a resend, a lost peer, a closed
 run) is unlinked, never reused: its receiver may still be reading it. The
-pool is bounded (:data:`POOL_FILES`, :data:`POOL_BYTES`) and emptied once
-the run has sent its last batch (``inputs_done``: its comm buffer flushed).
+pool is the worker's, shared by its runs, small (:data:`POOL_FILES`,
+:data:`POOL_BYTES`: idle files are memory stock does not hold), and emptied
+once no run of the worker sends any more (``inputs_done``, its comm buffer
+flushed, or ``close``).
 
 The receiver does not adopt the file into its shuffle buffer: a batch holds
 shards of many output partitions, and distributed's disk buffer appends
@@ -83,23 +85,22 @@ HANDLE_KEY = "dask-shm-shard-file"
 RESEND = "dask-shm-resend"
 
 
-#: a run keeps at most this many idle batch files for its next batches
-#: (distributed sends ``distributed.p2p.comm.concurrency``, 10, at once)
-POOL_FILES = 16
-#: and at most this many bytes of them; a larger file is unlinked after use
-POOL_BYTES = 32 * 2**20
+#: a worker keeps at most this many idle batch files for its next batches
+POOL_FILES = 4
+#: and at most this many bytes of them (a file that does not fit is unlinked):
+#: what the pool holds is tmpfs memory stock does not use
+POOL_BYTES = 8 * 2**20
 
 
 @dataclass
 class BatchFilePool:
-    """Idle batch files of one run, the most recently used first out: paths
-    and their sizes (the largest batch each held; a file is written again
-    from its start and keeps its tail)."""
+    """A worker's idle batch files, in a directory of their own, the most
+    recently used first out: paths and their sizes (the largest batch each
+    held; a file is written again from its start and keeps its tail)."""
 
+    directory: str
     files: list[tuple[str, int]] = field(default_factory=list)
     nbytes: int = 0
-    #: the run sends no more batches: files given back are unlinked
-    drained: bool = False
 
     def take(self) -> tuple[str, int] | None:
         if not self.files:
@@ -109,21 +110,27 @@ class BatchFilePool:
         return path, size
 
     def give(self, path: str, size: int) -> bool:
-        """Keep ``path`` for a later batch; False (and the caller unlinks
-        it) when that would pass the pool's bounds."""
-        if self.drained or len(self.files) >= POOL_FILES or self.nbytes + size > POOL_BYTES:
+        """Keep the file at ``path`` (moved into the pool's directory: its
+        run's directory may go first) for a later batch; False, and the
+        caller unlinks it, when that would pass the pool's bounds or the
+        move fails."""
+        if len(self.files) >= POOL_FILES or self.nbytes + size > POOL_BYTES:
             return False
-        self.files.append((path, size))
+        idle = os.path.join(self.directory, f"{uuid.uuid4().hex}.p2p")
+        try:
+            os.rename(path, idle)
+        except OSError:
+            return False
+        self.files.append((idle, size))
         self.nbytes += size
         return True
 
-    def drain(self) -> list[str]:
-        """Take every idle file (to unlink) and keep none from now on."""
-        self.drained = True
-        paths = [path for path, _ in self.files]
+    def drain(self) -> None:
+        """Unlink every idle file."""
+        for path, _ in self.files:
+            _unlink(path)
         self.files.clear()
         self.nbytes = 0
-        return paths
 
 
 @dataclass
@@ -140,8 +147,12 @@ class WorkerFiles:
     directory: str
     #: ``<root>/dask-shm-<uid>``, what handles' paths are relative to
     user_root: str
-    #: runs whose directory exists, and their idle batch files
-    _runs: dict[int, BatchFilePool] = field(default_factory=dict)
+    #: idle batch files, kept while a run of this worker may still send
+    pool: BatchFilePool
+    #: runs whose directory exists
+    _runs: set[int] = field(default_factory=set)
+    #: runs that wrote a batch and have not finished sending (inputs_done)
+    _sending: set[int] = field(default_factory=set)
 
     def shares_root_with(self, address: str) -> bool:
         """Whether the worker at ``address`` takes our batches as files: it
@@ -155,21 +166,26 @@ class WorkerFiles:
         path = os.path.join(self.directory, str(run_id))
         if run_id not in self._runs:
             os.makedirs(path, mode=0o700, exist_ok=True)
-            self._runs[run_id] = BatchFilePool()
+            self._runs.add(run_id)
         return path
 
-    def pool(self, run_id: int) -> BatchFilePool | None:
-        """The idle batch files of a run whose directory exists."""
-        return self._runs.get(run_id)
+    def sending(self, run_id: int) -> None:
+        self._sending.add(run_id)
 
-    def drain_pool(self, run_id: int) -> None:
-        """Unlink the run's idle batch files: it has sent its last batch."""
-        pool = self._runs.get(run_id)
-        for path in pool.drain() if pool is not None else []:
-            _unlink(path)
+    def keep(self, path: str, size: int) -> bool:
+        """Keep a batch file its receiver is done with for a later batch,
+        while some run still sends; False: the caller unlinks it."""
+        return bool(self._sending) and self.pool.give(path, size)
+
+    def sent_all(self, run_id: int) -> None:
+        """A run sends nothing more; when none does, the idle files go."""
+        self._sending.discard(run_id)
+        if not self._sending:
+            self.pool.drain()
 
     def remove_run(self, run_id: int) -> None:
-        self._runs.pop(run_id, None)
+        self.sent_all(run_id)
+        self._runs.discard(run_id)
         shutil.rmtree(os.path.join(self.directory, str(run_id)), ignore_errors=True)
 
     def count(self, name: str, nbytes: int) -> None:
@@ -201,13 +217,13 @@ def _write(files: WorkerFiles, run: ShuffleRun, batch: list | bytes) -> tuple[Sh
     ``writev`` of the pickle and the arrays' own memory into tmpfs pages
     costs less than handing the batch to a thread and waiting for it (and
     the GIL) to come back."""
-    directory = files.run_directory(run.run_id)
-    pool = files.pool(run.run_id)
-    idle = pool.take() if pool is not None else None
+    files.sending(run.run_id)
+    idle = files.pool.take()
     if idle is not None:
         path, file_size = idle
         files.buffer.shm_counters["p2p_reused_file_batches"] += 1
     else:
+        directory = files.run_directory(run.run_id)
         path, file_size = os.path.join(directory, f"{uuid.uuid4().hex}.p2p"), 0
     # The fine performance metrics stock gives a batch sent over TCP (inside
     # CommShardsBuffer's "send"): pickling it is "serialize"; "compress" is
@@ -251,9 +267,8 @@ async def _send_by_file(
         # keeps nothing of it (one without reuse unlinked it: the next write
         # into it then makes a new file). Any other end, the receiver may
         # still be reading it: it goes.
-        pool = files.pool(run.run_id)
         answered = isinstance(response, dict) and response.get("status") == "OK"
-        if not (answered and pool is not None and pool.give(path, file_size)):
+        if not (answered and files.keep(path, file_size)):
             _unlink(path)
     if isinstance(response, dict) and response.get(RESEND):
         logger.info(
@@ -359,7 +374,7 @@ def _wrap_inputs_done(original: Callable[..., Awaitable[Any]]) -> Callable[..., 
         finally:
             files = _workers.get(self.local_address)
             if files is not None:
-                files.drain_pool(self.run_id)
+                files.sent_all(self.run_id)
 
     return inputs_done
 
@@ -418,9 +433,17 @@ def enable(
     if not shuffle_run_methods_present():
         return False
     directory = os.path.join(paths.subdir(root, "p2p"), os.path.basename(buffer.store.directory))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    idle = os.path.join(directory, "idle")
+    os.makedirs(idle, mode=0o700, exist_ok=True)
     _workers[address] = WorkerFiles(
-        address, buffer, registry, root, token, directory, paths.user_root(root)
+        address,
+        buffer,
+        registry,
+        root,
+        token,
+        directory,
+        paths.user_root(root),
+        BatchFilePool(idle),
     )
     install()
     return True
