@@ -94,16 +94,11 @@ def test_shuffle_and_rechunk_go_by_file_with_stock_results():
 
 
 def leftovers(root: str) -> list[str]:
-    """Batch files, and run directories of live workers, under ``root``
-    (not a live worker's directory of idle batch files)."""
+    """Batch files, and run directories of live workers, under ``root``."""
     user = os.path.join(root, f"dask-shm-{os.geteuid()}")
     return sorted(
         glob.glob(os.path.join(user, "**", "*.p2p"), recursive=True)
-        + [
-            path
-            for path in glob.glob(os.path.join(user, "*", "p2p", "*", "*"))
-            if os.path.basename(path) != "idle"
-        ]
+        + glob.glob(os.path.join(user, "*", "p2p", "*", "*"))
     )
 
 
@@ -304,177 +299,6 @@ def test_rechunk_with_shards_kept_in_memory(shared_client, shm_root):
     wait_for_no_leftovers(shm_root)
 
 
-def refuse_every_third_batch(dask_worker) -> None:
-    """Make this worker refuse every third batch file it is handed (as a
-    receiver that cannot read it would: the sender resends the batch as
-    bytes) and log, for each, the file's inode and when it was read or
-    refused. Undone by :func:`take_batch_log`."""
-    from dask_shm.shared import shard_file
-
-    original = shard_file.read_copy
-    log: list[tuple[str, int, float]] = []
-
-    def read_copy(path: str, size: int, nonce: str):
-        inode = os.stat(path).st_ino
-        if len(log) % 3 == 2:
-            log.append(("refused", inode, time.monotonic()))
-            raise shard_file.ShardFileError("refused by the test")
-        batch = original(path, size, nonce)
-        log.append(("read", inode, time.monotonic()))
-        return batch
-
-    shard_file.read_copy = read_copy
-    dask_worker._test_batch_log = (original, log)
-
-
-def take_batch_log(dask_worker) -> list[tuple[str, int, float]]:
-    from dask_shm.shared import shard_file
-
-    original, log = dask_worker._test_batch_log
-    shard_file.read_copy = original
-    del dask_worker._test_batch_log
-    return log
-
-
-def test_a_batch_file_is_written_again_only_after_its_receiver_answered_ok(shared_client, shm_root):
-    # The sender writes its next batch into a file its receiver answered OK
-    # for (the pages stay allocated); a file whose call ended otherwise is
-    # unlinked, since its receiver may still be reading it. On the machine's
-    # one monotonic clock: an inode refused is never handed over again.
-    client = shared_client
-    counters_before = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
-    # The bench's rechunk_p2p, smaller: 2 MiB squares into 256 KiB columns,
-    # 64 batches of ~1 MiB from each worker.
-    x = da.random.default_rng(1).random((4096, 4096), chunks=(512, 512))
-    weights = np.arange(4096, dtype=float)
-    with dask.config.set({"array.rechunk.method": "p2p", "array.chunk-size": "256KiB"}):
-        rows = x.rechunk((-1, "auto"))
-    client.run(refuse_every_third_batch)
-    try:
-        got = float((rows * weights).sum().compute())
-    finally:
-        logs = client.run(take_batch_log)
-    assert got == pytest.approx(float((x * weights).sum().compute(scheduler="sync")), rel=1e-12)
-    events = sorted((t, what, inode) for log in logs.values() for what, inode, t in log)
-    refused = {inode: t for t, what, inode in events if what == "refused"}
-    assert refused, events
-    assert [e for e in events if e[2] in refused and e[0] > refused[e[2]]] == []
-    reads = [inode for _, what, inode in events if what == "read"]
-    assert len(set(reads)) < len(reads), "no batch file was written twice"
-    counters = client.run(lambda dask_worker: dict(dask_worker.data.shm_counters))
-    reused = sum(
-        c["p2p_reused_file_batches"] - counters_before[a].get("p2p_reused_file_batches", 0)
-        for a, c in counters.items()
-    )
-    fallbacks = sum(
-        c["p2p_file_fallbacks"] - counters_before[a]["p2p_file_fallbacks"]
-        for a, c in counters.items()
-    )
-    assert reused > 0 and fallbacks == len(refused), counters
-    wait_for_no_leftovers(shm_root)
-
-
-def hold_outputs(dask_worker) -> None:
-    """Make this worker's P2P output tasks wait until :func:`release_outputs`."""
-    import threading
-
-    from distributed.shuffle._core import ShuffleRun
-
-    entered, release = threading.Event(), threading.Event()
-    original = ShuffleRun.get_output_partition
-
-    def get_output_partition(self, *args, **kwargs):
-        entered.set()
-        release.wait(120)
-        return original(self, *args, **kwargs)
-
-    ShuffleRun.get_output_partition = get_output_partition
-    dask_worker._test_held_outputs = (original, entered, release)
-
-
-def outputs_held(dask_worker) -> bool:
-    """Whether an output task of this worker waits in :func:`hold_outputs`."""
-    return dask_worker._test_held_outputs[1].is_set()
-
-
-def release_outputs(dask_worker) -> None:
-    from distributed.shuffle._core import ShuffleRun
-
-    original, _, release = dask_worker._test_held_outputs
-    ShuffleRun.get_output_partition = original
-    release.set()
-    del dask_worker._test_held_outputs
-
-
-def barriers_passed(dask_scheduler) -> bool:
-    barriers = [ts for ts in dask_scheduler.tasks.values() if ts.prefix.name == "shuffle-barrier"]
-    return bool(barriers) and all(ts.state == "memory" for ts in barriers)
-
-
-def test_a_run_that_sent_its_last_batch_keeps_no_idle_batch_file(shared_client, shm_root):
-    # While its outputs are read a run sends nothing: once no run of the
-    # worker sends, the files kept for later batches go, not when runs close.
-    client = shared_client
-    # rows into columns: 64 batches of ~1 MiB from each worker
-    x = da.random.default_rng(2).random((4096, 4096), chunks=(64, 4096))
-    with dask.config.set({"array.rechunk.method": "p2p", "array.chunk-size": "2MiB"}):
-        total = x.rechunk((4096, 64)).sum()
-    client.run(hold_outputs)
-    try:
-        future = client.compute(total)
-        deadline = time.monotonic() + 120
-        # Every run past its barrier (each worker's inputs_done has returned),
-        # output tasks waiting on each worker.
-        while not (
-            all(client.run(outputs_held).values()) and client.run_on_scheduler(barriers_passed)
-        ):
-            assert not future.done(), future
-            assert time.monotonic() < deadline, "the rechunk never reached its outputs"
-            time.sleep(0.05)
-        reused = client.run(
-            lambda dask_worker: dask_worker.data.shm_counters["p2p_reused_file_batches"]
-        )
-        assert sum(reused.values()) > 0, reused
-        runs = glob.glob(os.path.join(shm_root, "dask-shm-*", "*", "p2p", "*", "*"))
-        assert runs, "the run's directories are gone: it closed early"
-        assert glob.glob(os.path.join(shm_root, "**", "*.p2p"), recursive=True) == []
-    finally:
-        client.run(release_outputs)
-    assert future.result(timeout=120) == pytest.approx(
-        float(x.sum().compute(scheduler="sync")), rel=1e-12
-    )
-    del future
-    wait_for_no_leftovers(shm_root)
-
-
-def test_a_worker_keeps_few_idle_batch_files(tmp_path):
-    from dask_shm.shared.p2p import POOL_BYTES, POOL_FILES, BatchFilePool
-
-    idle = tmp_path / "idle"
-    idle.mkdir()
-
-    def batch_file(name: str) -> str:
-        path = tmp_path / name
-        path.write_bytes(b"x")
-        return str(path)
-
-    pool = BatchFilePool(str(idle))
-    assert pool.take() is None
-    assert all(pool.give(batch_file(f"f{i}"), 1) for i in range(POOL_FILES))
-    assert not pool.give(batch_file("one-too-many"), 1)
-    assert len(os.listdir(idle)) == POOL_FILES  # moved out of their run's directory
-    path, size = pool.take()  # the last given, its pages warmest
-    assert os.path.dirname(path) == str(idle) and size == 1 and pool.nbytes == POOL_FILES - 1
-    pool.drain()
-    assert os.listdir(idle) == [path.rsplit("/", 1)[1]] and pool.take() is None
-    assert pool.give(batch_file("a"), POOL_BYTES // 2) and pool.give(
-        batch_file("b"), POOL_BYTES // 2
-    )
-    assert not pool.give(batch_file("c"), 1) and pool.nbytes == POOL_BYTES
-    assert not BatchFilePool(str(idle)).give(batch_file("huge"), POOL_BYTES + 1)
-    assert not pool.give(str(tmp_path / "gone"), 0)  # a file that cannot be moved
-
-
 def test_a_handle_reaching_a_worker_that_no_longer_takes_files_asks_for_bytes():
     # A peer may have read our registry entry just before the worker stopped
     # taking shard files (its plugin torn down): stock's receive would take
@@ -488,7 +312,7 @@ def test_a_handle_reaching_a_worker_that_no_longer_takes_files_asks_for_bytes():
 
     # This process may have shared-mode workers of earlier tests: the state
     # found here is put back as it was.
-    names = ("_send", "receive", "inputs_done", "close")
+    names = ("_send", "receive", "close")
     before = {name: getattr(ShuffleRun, name) for name in names}
     originals = dict(p2p._originals)
     stock_send = originals.get("_send", ShuffleRun._send)

@@ -191,7 +191,7 @@ def _shuffle_run_methods() -> bool:
     return (
         all(
             inspect.iscoroutinefunction(getattr(ShuffleRun, name, None))
-            for name in ("_send", "receive", "inputs_done", "close")
+            for name in ("_send", "receive", "close")
         )
         and list(inspect.signature(send).parameters) == ["self", "address", "shards"]  # type: ignore[arg-type]
         and list(inspect.signature(ShuffleRun.receive).parameters) == ["self", "data"]
@@ -220,7 +220,7 @@ HOOKS: tuple[Hook, ...] = (
         _worker_get_data,
     ),
     Hook(
-        "distributed.shuffle._core.ShuffleRun._send / .receive / .inputs_done / .close "
+        "distributed.shuffle._core.ShuffleRun._send / .receive / .close "
         '(the "shuffle_receive" RPC) and ._disk_buffer (MemoryShardsBuffer or not)',
         "shared-memory mode's P2P shuffle and rechunk batches by file",
         _shuffle_run_methods,

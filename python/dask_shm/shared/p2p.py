@@ -11,35 +11,21 @@ for runs of a worker registered with :func:`enable`):
   the batch is written once as a file (:mod:`~dask_shm.shared.shard_file`)
   in ``<process dir>/p2p/<worker>/<run id>/`` and the same RPC carries only
   a small handle. The file is written in the event loop with one ``writev``
-  (see :func:`_write`). The sender unlinks it when the call ends any other
-  way than OK. If the file cannot be written (disk full, a batch that does
-  not pickle) or the receiver cannot use it, the same batch is sent the
-  stock way. Other peers get the stock call.
-- ``receive``: a handle is read, and the shards go to distributed's own
-  receive path. A handle marked ``reuse`` (see below) is read with ``pread``
-  into memory of the receiver's own and the file left in place; any other
-  is mapped copy-on-write and unlinked at once (a run that keeps shards in
-  memory, ``distributed.p2p.storage.disk: false``, then gets a copy of each
-  shard's buffer, as stock deserialization gives, so that a consumed output
-  chunk frees its memory without waiting for the rest of its batch). A
-  handle it cannot use is answered with an error carrying :data:`RESEND`,
-  which the sender turns into a stock resend: a shuffle never fails because
-  of us.
+  (see :func:`_write`). The receiver unlinks the file as it opens it; the
+  sender unlinks it when the call ends any other way than OK. If the file
+  cannot be written (disk full, a batch that does not pickle) or the
+  receiver cannot use it, the same batch is sent the stock way.
+  Other peers get the stock call.
+- ``receive``: a handle is opened (mapped copy-on-write, unlinked at once),
+  and the shards go to distributed's own receive path. A run that keeps
+  shards in memory (``distributed.p2p.storage.disk: false``) gets a copy of
+  each shard's buffer, as stock deserialization gives, so that a consumed
+  output chunk frees its memory without waiting for the rest of its batch. A handle it cannot
+  use is answered with an error carrying :data:`RESEND`, which the sender
+  turns into a stock resend: a shuffle never fails because of us.
 - ``close``: the run's directory goes with the run (finished, failed or
   cancelled); the worker's directory goes at :func:`disable`, and a killed
   process's with its process directory (swept by peers).
-
-Batch files are reused (:class:`BatchFilePool`): a file the receiver
-answered OK for holds nothing the receiver still reads, so the sender writes
-a later batch into it, in place. A fresh file per batch cost the kernel
-more than loopback TCP does (allocating, charging and freeing its tmpfs
-pages: docs/benchmarks.md, "rechunk_p2p's extra kernel time"). A file
-whose call ended any other way (an error, a resend, a lost peer, a closed
-run) is unlinked, never reused: its receiver may still be reading it. The
-pool is the worker's, shared by its runs, small (:data:`POOL_FILES`,
-:data:`POOL_BYTES`: idle files are memory stock does not hold), and emptied
-once no run of the worker sends any more (``inputs_done``, its comm buffer
-flushed, or ``close``).
 
 The receiver does not adopt the file into its shuffle buffer: a batch holds
 shards of many output partitions, and distributed's disk buffer appends
@@ -85,54 +71,6 @@ HANDLE_KEY = "dask-shm-shard-file"
 RESEND = "dask-shm-resend"
 
 
-#: a worker keeps at most this many idle batch files for its next batches
-POOL_FILES = 4
-#: and at most this many bytes of them (a file that does not fit is unlinked):
-#: what the pool holds is tmpfs memory stock does not use
-POOL_BYTES = 8 * 2**20
-
-
-@dataclass
-class BatchFilePool:
-    """A worker's idle batch files, in a directory of their own, the most
-    recently used first out: paths and their sizes (the largest batch each
-    held; a file is written again from its start and keeps its tail)."""
-
-    directory: str
-    files: list[tuple[str, int]] = field(default_factory=list)
-    nbytes: int = 0
-
-    def take(self) -> tuple[str, int] | None:
-        if not self.files:
-            return None
-        path, size = self.files.pop()
-        self.nbytes -= size
-        return path, size
-
-    def give(self, path: str, size: int) -> bool:
-        """Keep the file at ``path`` (moved into the pool's directory: its
-        run's directory may go first) for a later batch; False, and the
-        caller unlinks it, when that would pass the pool's bounds or the
-        move fails."""
-        if len(self.files) >= POOL_FILES or self.nbytes + size > POOL_BYTES:
-            return False
-        idle = os.path.join(self.directory, f"{uuid.uuid4().hex}.p2p")
-        try:
-            os.rename(path, idle)
-        except OSError:
-            return False
-        self.files.append((idle, size))
-        self.nbytes += size
-        return True
-
-    def drain(self) -> None:
-        """Unlink every idle file."""
-        for path, _ in self.files:
-            _unlink(path)
-        self.files.clear()
-        self.nbytes = 0
-
-
 @dataclass
 class WorkerFiles:
     """What one shared-mode worker needs to send and receive batch files."""
@@ -147,12 +85,7 @@ class WorkerFiles:
     directory: str
     #: ``<root>/dask-shm-<uid>``, what handles' paths are relative to
     user_root: str
-    #: idle batch files, kept while a run of this worker may still send
-    pool: BatchFilePool
-    #: runs whose directory exists
     _runs: set[int] = field(default_factory=set)
-    #: runs that wrote a batch and have not finished sending (inputs_done)
-    _sending: set[int] = field(default_factory=set)
 
     def shares_root_with(self, address: str) -> bool:
         """Whether the worker at ``address`` takes our batches as files: it
@@ -169,22 +102,7 @@ class WorkerFiles:
             self._runs.add(run_id)
         return path
 
-    def sending(self, run_id: int) -> None:
-        self._sending.add(run_id)
-
-    def keep(self, path: str, size: int) -> bool:
-        """Keep a batch file its receiver is done with for a later batch,
-        while some run still sends; False: the caller unlinks it."""
-        return bool(self._sending) and self.pool.give(path, size)
-
-    def sent_all(self, run_id: int) -> None:
-        """A run sends nothing more; when none does, the idle files go."""
-        self._sending.discard(run_id)
-        if not self._sending:
-            self.pool.drain()
-
     def remove_run(self, run_id: int) -> None:
-        self.sent_all(run_id)
         self._runs.discard(run_id)
         shutil.rmtree(os.path.join(self.directory, str(run_id)), ignore_errors=True)
 
@@ -210,34 +128,21 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _write(files: WorkerFiles, run: ShuffleRun, batch: list | bytes) -> tuple[ShardFile, int]:
-    """Write ``batch`` as a file for a peer, into an idle file of the run's
-    pool if it has one; returns the handle and the file's size (at least the
-    batch's). In the event loop, as stock writes a batch to its socket: one
-    ``writev`` of the pickle and the arrays' own memory into tmpfs pages
-    costs less than handing the batch to a thread and waiting for it (and
-    the GIL) to come back."""
-    files.sending(run.run_id)
-    idle = files.pool.take()
-    if idle is not None:
-        path, file_size = idle
-        files.buffer.shm_counters["p2p_reused_file_batches"] += 1
-    else:
-        directory = files.run_directory(run.run_id)
-        path, file_size = os.path.join(directory, f"{uuid.uuid4().hex}.p2p"), 0
+def _write(files: WorkerFiles, run: ShuffleRun, batch: list | bytes) -> ShardFile:
+    """Write ``batch`` as a file for a peer. In the event loop, as stock writes
+    a batch to its socket: one ``writev`` of the pickle and the arrays' own
+    memory into tmpfs pages costs less than handing the batch to a thread
+    and waiting for it (and the GIL) to come back."""
+    path = os.path.join(files.run_directory(run.run_id), f"{uuid.uuid4().hex}.p2p")
     # The fine performance metrics stock gives a batch sent over TCP (inside
     # CommShardsBuffer's "send"): pickling it is "serialize"; "compress" is
     # zero here, since a batch file is mapped as written and never compressed,
     # but its key stays, so the breakdown has the same entries as stock's.
     size, nonce = shard_file.write(
-        path,
-        batch,
-        serializing=lambda: context_meter.meter("serialize"),
-        overwrite=idle is not None,
+        path, batch, serializing=lambda: context_meter.meter("serialize")
     )
     context_meter.digest_metric("compress", 0.0, "seconds")
-    relpath = os.path.relpath(path, files.user_root)
-    return ShardFile(relpath, files.token, size, nonce, reuse=True), max(size, file_size)
+    return ShardFile(os.path.relpath(path, files.user_root), files.token, size, nonce)
 
 
 async def _send_by_file(
@@ -251,7 +156,7 @@ async def _send_by_file(
     if not files.shares_root_with(address):
         return await _send_by_tcp(original, files, run, address, batch)
     try:
-        handle, file_size = _write(files, run, batch)
+        handle = _write(files, run, batch)
     except Exception as e:  # disk full, a batch that does not pickle: stock may still send it
         logger.info("dask-shm: shard batch for %s sent as bytes: cannot write it: %r", address, e)
         return await _resend(original, files, run, address, batch)
@@ -263,12 +168,8 @@ async def _send_by_file(
             data={HANDLE_KEY: handle.to_msg()}, shuffle_id=run.id, run_id=run.run_id
         )
     finally:
-        # A receiver that answered OK has read the batch out of the file and
-        # keeps nothing of it (one without reuse unlinked it: the next write
-        # into it then makes a new file). Any other end, the receiver may
-        # still be reading it: it goes.
-        answered = isinstance(response, dict) and response.get("status") == "OK"
-        if not (answered and files.keep(path, file_size)):
+        # A receiver that answered OK has opened and unlinked the file.
+        if not (isinstance(response, dict) and response.get("status") == "OK"):
             _unlink(path)
     if isinstance(response, dict) and response.get(RESEND):
         logger.info(
@@ -318,8 +219,6 @@ def _open(files: WorkerFiles | None, msg: Any, copy: bool) -> list | bytes:
     if handle.token != files.token:
         raise ShardFileError("the shard file is on a root this worker does not share")
     path = os.path.join(files.user_root, handle.relpath)
-    if handle.reuse:
-        return shard_file.read_copy(path, handle.size, handle.nonce)
     return shard_file.read(path, handle.size, handle.nonce, copy=copy)
 
 
@@ -364,27 +263,7 @@ def _wrap_close(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
     return close
 
 
-def _wrap_inputs_done(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    @functools.wraps(original)
-    async def inputs_done(self: ShuffleRun) -> None:
-        # Once its comm buffer is flushed a run sends nothing more: its idle
-        # batch files would only hold tmpfs pages while outputs are read.
-        try:
-            await original(self)
-        finally:
-            files = _workers.get(self.local_address)
-            if files is not None:
-                files.sent_all(self.run_id)
-
-    return inputs_done
-
-
-_WRAPPERS = {
-    "_send": _wrap_send,
-    "receive": _wrap_receive,
-    "inputs_done": _wrap_inputs_done,
-    "close": _wrap_close,
-}
+_WRAPPERS = {"_send": _wrap_send, "receive": _wrap_receive, "close": _wrap_close}
 
 
 #: Left wrapped by :func:`uninstall`: a peer that read our registry entry just
@@ -396,8 +275,7 @@ _KEPT = frozenset({"receive"})
 
 
 def install() -> None:
-    """Wrap ``ShuffleRun._send``, ``receive``, ``inputs_done`` and ``close``
-    (once per process)."""
+    """Wrap ``ShuffleRun._send``, ``receive`` and ``close`` (once per process)."""
     from distributed.shuffle._core import ShuffleRun
 
     for name, wrap in _WRAPPERS.items():
@@ -409,8 +287,8 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Put the stock ``_send``, ``inputs_done`` and ``close`` back
-    (``receive`` stays wrapped: see :data:`_KEPT`)."""
+    """Put the stock ``_send`` and ``close`` back (``receive`` stays wrapped:
+    see :data:`_KEPT`)."""
     from distributed.shuffle._core import ShuffleRun
 
     for name in [n for n in _originals if n not in _KEPT]:
@@ -433,17 +311,9 @@ def enable(
     if not shuffle_run_methods_present():
         return False
     directory = os.path.join(paths.subdir(root, "p2p"), os.path.basename(buffer.store.directory))
-    idle = os.path.join(directory, "idle")
-    os.makedirs(idle, mode=0o700, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     _workers[address] = WorkerFiles(
-        address,
-        buffer,
-        registry,
-        root,
-        token,
-        directory,
-        paths.user_root(root),
-        BatchFilePool(idle),
+        address, buffer, registry, root, token, directory, paths.user_root(root)
     )
     install()
     return True

@@ -17,13 +17,6 @@ shard does not keep its whole batch alive. A batch of bytes (small shards
 distributed pickled itself) comes back as bytes (one copy: distributed's
 receive path unpickles only ``bytes``).
 
-A file can also be written again in place (``write(..., overwrite=True)``)
-for the sender's next batch once the receiver has read it with
-:func:`read_copy`, which reads each buffer with ``pread`` into memory of its
-own and leaves the file where it is: the tmpfs pages stay allocated between
-batches, as a socket's buffers do, instead of being allocated, charged and
-freed for every batch.
-
 The handle (:class:`ShardFile`) travels as a plain dict (msgpack, no
 pickle): turning it back into an object never runs code of ours during
 deserialization, so it cannot raise there.
@@ -36,7 +29,7 @@ import os
 import pickle as std_pickle
 import struct
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -73,9 +66,6 @@ class ShardFile:
     token: str
     size: int
     nonce: str
-    #: the sender writes its next batch into this file once the receiver
-    #: answered: read it with :func:`read_copy`, and leave it in place
-    reuse: bool = False
 
     def to_msg(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +79,6 @@ class ShardFile:
                 token=str(msg["token"]),
                 size=int(msg["size"]),
                 nonce=str(msg["nonce"]),
-                reuse=msg.get("reuse", False) is True,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ShardFileError(f"not a shard file handle: {e!r}") from e
@@ -100,17 +89,6 @@ class ShardFile:
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _buffer_starts(offset: int, lengths: Sequence[int]) -> list[int]:
-    """Where each buffer of ``lengths`` starts in a file whose pickle ends at
-    ``offset``: one after the other, each at a 64-byte boundary."""
-    starts = []
-    for length in lengths:
-        offset = _aligned(offset)
-        starts.append(offset)
-        offset += length
-    return starts
 
 
 #: at most this many buffers per ``writev`` call (Linux's IOV_MAX)
@@ -176,15 +154,11 @@ def write(
     batch: list | bytes,
     *,
     serializing: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    overwrite: bool = False,
 ) -> tuple[int, str]:
-    """Write ``batch`` to a new file ``path``; returns (size, nonce). With
-    ``overwrite``, into the file already at ``path`` from its start, keeping
-    its pages (a file longer than the batch keeps its tail: the size
-    returned is the batch's); a new file if none is there. The file is
-    removed if anything fails (OSError from the file system, an exception
-    from pickling or BufferError), which is raised. The pickling runs inside
-    ``serializing()`` (e.g. a metrics meter).
+    """Write ``batch`` to a new file ``path``; returns (size, nonce). The
+    file is removed if anything fails (OSError from the file system, an
+    exception from pickling or BufferError), which is raised. The pickling
+    runs inside ``serializing()`` (e.g. a metrics meter).
 
     One ``writev`` call writes the whole batch (header, pickle, padding and
     the buffers straight from the arrays' memory): no copy in user space and
@@ -199,14 +173,13 @@ def write(
     parts = [memoryview(head), memoryview(body)]
     offset = len(head) + len(body)
     padding = memoryview(_PADDING)
-    for start, buf in zip(
-        _buffer_starts(offset, [b.nbytes for b in buffers]), buffers, strict=True
-    ):
-        if start > offset:
-            parts.append(padding[: start - offset])
+    for buf in buffers:
+        pad = _aligned(offset) - offset
+        if pad:
+            parts.append(padding[:pad])
         parts.append(buf)
-        offset = start + buf.nbytes
-    fd = _open_for_writing(path, overwrite)
+        offset += pad + buf.nbytes
+    fd = os.open(path, _CREATE, 0o600)
     try:
         _writev_all(fd, parts)
         os.close(fd)
@@ -217,15 +190,6 @@ def write(
         _unlink(path)
         raise
     return offset, nonce.hex()
-
-
-def _open_for_writing(path: str, overwrite: bool) -> int:
-    if overwrite:
-        try:
-            return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            pass
-    return os.open(path, _CREATE, 0o600)
 
 
 def read(path: str, size: int, nonce: str, *, copy: bool = False) -> list | bytes:
@@ -273,93 +237,19 @@ def _parse(mapping: mmap.mmap, nonce: str, path: str, copy: bool) -> list | byte
     body = view[offset : offset + body_len]
     if kind == KIND_BYTES:
         return bytes(body)
-    buffers = []
     offset += body_len
-    for start, length in zip(_buffer_starts(offset, lengths), lengths, strict=True):
-        buffer = view[start : start + length]
+    buffers = []
+    for length in lengths:
+        offset = _aligned(offset)
+        buffer = view[offset : offset + length]
         buffers.append(bytearray(buffer) if copy else buffer)
-        offset = start + length
+        offset += length
     if kind != KIND_PICKLE or offset > len(mapping):
         raise ShardFileError(f"shard file {path} is truncated or of an unknown kind")
     try:
         return pickle.loads(body, buffers=buffers)  # type: ignore[no-any-return]
     except Exception as e:
         raise ShardFileError(f"cannot unpickle shard file {path}: {e!r}") from e
-
-
-def read_copy(path: str, size: int, nonce: str) -> list | bytes:
-    """The batch in file ``path`` (its first ``size`` bytes, carrying
-    ``nonce``), every buffer read with ``pread`` into memory of its own
-    (writable, as a batch received over TCP): nothing of the file is kept,
-    and the file stays where it is, for its sender to write its next batch
-    into once this returned. Raises ShardFileError for a file that is not
-    the one announced, is shorter than its layout, or cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise ShardFileError(f"cannot open shard file {path}: {e}") from e
-    try:
-        return _read_layout(fd, size, nonce, path)
-    except OSError as e:
-        raise ShardFileError(f"cannot read shard file {path}: {e}") from e
-    finally:
-        os.close(fd)
-
-
-def _read_layout(fd: int, size: int, nonce: str, path: str) -> list | bytes:
-    head = os.pread(fd, _HEADER.size, 0)
-    if size < _HEADER.size or len(head) < _HEADER.size or os.fstat(fd).st_size < size:
-        raise ShardFileError(f"shard file {path} is shorter than announced")
-    magic, found, kind, count, body_len = _HEADER.unpack(head)
-    if magic != MAGIC or found.hex() != nonce:
-        raise ShardFileError(f"{path} is not the shard file announced")
-    offset = _HEADER.size + count * _LENGTH.size
-    if offset + body_len > size:
-        raise ShardFileError(f"shard file {path} is truncated")
-    lengths = struct.unpack(f"<{count}Q", os.pread(fd, count * _LENGTH.size, _HEADER.size))
-    if kind == KIND_BYTES:
-        data = os.pread(fd, body_len, offset)
-        if len(data) < body_len:
-            raise ShardFileError(f"shard file {path} is truncated")
-        return data
-    if kind != KIND_PICKLE:
-        raise ShardFileError(f"shard file {path} is of an unknown kind")
-    starts = _buffer_starts(offset + body_len, lengths)
-    # Checked before anything is allocated: a forged header cannot ask for
-    # more memory than the file holds.
-    if lengths and starts[-1] + lengths[-1] > size:
-        raise ShardFileError(f"shard file {path} is truncated")
-    body = bytearray(body_len)
-    buffers = [bytearray(length) for length in lengths]
-    padding = memoryview(bytearray(_ALIGN))
-    parts = [memoryview(body)]
-    end = offset + body_len
-    for start, buffer in zip(starts, buffers, strict=True):
-        if start > end:
-            parts.append(padding[: start - end])
-        parts.append(memoryview(buffer))
-        end = start + len(buffer)
-    _preadv_all(fd, parts, offset, path)
-    try:
-        return pickle.loads(body, buffers=buffers)  # type: ignore[no-any-return]
-    except Exception as e:
-        raise ShardFileError(f"cannot unpickle shard file {path}: {e!r}") from e
-
-
-def _preadv_all(fd: int, parts: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``parts`` in order from ``offset`` with as few ``preadv`` calls as
-    the kernel allows; ShardFileError if the file ends first."""
-    first = 0
-    while first < len(parts):
-        read = os.preadv(fd, parts[first : first + _IOV_MAX], offset)
-        if read == 0:
-            raise ShardFileError(f"shard file {path} is truncated")
-        offset += read
-        while first < len(parts) and read >= parts[first].nbytes:
-            read -= parts[first].nbytes
-            first += 1
-        if read:
-            parts[first] = parts[first][read:]
 
 
 def _unlink(path: str) -> None:
