@@ -58,9 +58,18 @@ it goes, with the load average):
   durations as the receiving worker timed them (request to value in memory);
 - ``worker_cpu_seconds``: user + system CPU the worker processes used
   during the compute (psutil, from the bench's process: they run on this
-  host). Unlike wall time it does not depend on how a busy host shares its
+  host), and apart ``worker_user_seconds`` and ``worker_system_seconds``.
+  Unlike wall time it does not depend on how a busy host shares its
   cores. A worker that died meanwhile takes its CPU with it; one started
   meanwhile counts from its start;
+- ``page_faults``, ``huge_page_faults``, ``pages_allocated``: the host's
+  page faults, faults that allocated (and zeroed) a 2 MiB transparent huge
+  page, and 4 KiB pages handed out by the kernel's page allocator during the
+  compute (/proc/vmstat ``pgfault``, ``thp_fault_alloc``, the ``pgalloc_*``
+  sum). Zeroing fresh pages is a third of a P2P shuffle's worker CPU in
+  stock and ours alike (numpy and arrow madvise their large buffers into
+  huge pages, and freed ones go back to the kernel); the page allocator's
+  traffic is what the per-CPU lists' size changes the cost of;
 - ``loop_stalled_seconds``, ``loop_stalls``, ``loop_max_stall_ms``: how
   long the workers' event loops could not run anything (transfers, the
   memory monitor's spilling, the scheduler's messages): a callback asks to
@@ -249,16 +258,35 @@ def loopback_sent() -> int:
     return int(psutil.net_io_counters(pernic=True)["lo"].bytes_sent)
 
 
-def worker_cpu_seconds(pids: set[int]) -> dict[int, float]:
-    """User + system CPU seconds used so far by each live process of ``pids``."""
+def worker_cpu_seconds(pids: set[int]) -> dict[int, tuple[float, float]]:
+    """User and system CPU seconds used so far by each live process of ``pids``."""
     seconds = {}
     for pid in pids:
         try:
             times = psutil.Process(pid).cpu_times()
         except psutil.NoSuchProcess:
             continue
-        seconds[pid] = times.user + times.system
+        seconds[pid] = (times.user, times.system)
     return seconds
+
+
+#: /proc/vmstat counters reported over the compute, as extra_info names
+#: (a name of several counters reports their sum).
+VMSTAT = {
+    "page_faults": ("pgfault",),
+    "huge_page_faults": ("thp_fault_alloc",),
+    "pages_allocated": ("pgalloc_dma", "pgalloc_dma32", "pgalloc_normal", "pgalloc_movable"),
+}
+
+
+def read_vmstat() -> dict[str, int]:
+    """The host's counters of :data:`VMSTAT` (0 for a counter this kernel lacks)."""
+    with open("/proc/vmstat") as f:
+        counters = dict(line.split() for line in f)
+    return {
+        name: sum(int(counters.get(field, 0)) for field in fields)
+        for name, fields in VMSTAT.items()
+    }
 
 
 HANDED_OVER = ("link_bytes", "p2p_file_bytes", "written_ahead", "written_ahead_unused")
@@ -375,6 +403,7 @@ def test_workload(
         lo0 = loopback_sent()
         removed0 = client.run_on_scheduler(_workers_removed)
         cpu0 = worker_cpu_seconds(set(client.run(os.getpid).values()))
+        vmstat0 = read_vmstat()
         client.run(_watch_loop)
         with PeakMeminfo() as peak, get_task_stream(client) as stream:
 
@@ -385,8 +414,12 @@ def test_workload(
         stalls = [s for worker in client.run(_loop_stalls).values() for s in worker]
         tasks = task_stream_figures(stream.data, WORKERS, benchmark.stats.stats.median)
         loopback = loopback_sent() - lo0
+        vmstat = {name: n - vmstat0[name] for name, n in read_vmstat().items()}
         cpu1 = worker_cpu_seconds(set(cpu0) | set(client.run(os.getpid).values()))
-        worker_cpu = sum(seconds - cpu0.get(pid, 0.0) for pid, seconds in cpu1.items())
+        user, system = (
+            sum(times[i] - cpu0.get(pid, (0.0, 0.0))[i] for pid, times in cpu1.items())
+            for i in (0, 1)
+        )
         restarts = client.run_on_scheduler(_workers_removed) - removed0
         handed = list(client.run(_handed_over).values())
         totals = {name: int(sum(h[i] for h in handed)) for i, name in enumerate(HANDED_OVER)}
@@ -401,7 +434,10 @@ def test_workload(
         "loopback_bytes": loopback,
         **totals,
         **tasks,
-        "worker_cpu_seconds": round(worker_cpu, 2),
+        "worker_cpu_seconds": round(user + system, 2),
+        "worker_user_seconds": round(user, 2),
+        "worker_system_seconds": round(system, 2),
+        **vmstat,
         "loop_stalled_seconds": round(sum(stalls), 2),
         "loop_stalls": len(stalls),
         "loop_max_stall_ms": round(max(stalls, default=0.0) * 1000),
@@ -429,7 +465,9 @@ def test_workload(
         f"  p2p-file {mib['p2p_file_bytes']:6.0f} MiB"
         f"  ahead {info['written_ahead']} ({info['written_ahead_unused']} unused)"
         f"  tasks {tasks['task_seconds']} s (busy {tasks['busy']})"
-        f"  cpu {info['worker_cpu_seconds']} s"
+        f"  cpu {info['worker_cpu_seconds']} s (system {info['worker_system_seconds']} s)"
+        f"  faults {vmstat['page_faults']} (huge {vmstat['huge_page_faults']})"
+        f"  pages allocated {vmstat['pages_allocated']}"
         f"  loop stalls {info['loop_stalls']} ({info['loop_stalled_seconds']} s,"
         f" max {info['loop_max_stall_ms']} ms)"
         f"  transfers {tasks['transfers']} (median {tasks['transfer_median_ms']} ms)"
