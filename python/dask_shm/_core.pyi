@@ -122,6 +122,11 @@ class FileStore:
     ) -> tuple[str, int] | None:
         """Write ``frames`` to a new file ``{stem}#{n}`` and account it.
 
+        A frame may be a strided buffer (a numpy view such as ``a[1:, 1:]``):
+        the file holds its bytes in C order, as a contiguous copy would, written
+        straight from its rows where they are contiguous (runs of 4 KiB or
+        more), else from one copy.
+
         Returns ``(file name, bytes on disk)``, or None, having written nothing,
         if the total on disk would exceed ``max_disk``. Raises OSError on I/O
         failure (nothing is accounted and no file is left behind).

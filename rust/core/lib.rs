@@ -1,6 +1,6 @@
 //! `dask-shm-core`: the pure Rust half of dask-shm, with no Python in it.
 //!
-//! Spill files (`format`, `store`, `ledger`, `recycle`, `fs`), the tier-2 ->
+//! Spill files (`format`, `store`, `ledger`, `recycle`, `fs`, `strided`), the tier-2 ->
 //! tier-3 move and budget (`tier`), deleting files off the caller's thread
 //! (`unlinker`), reading a peer's files (`peer`,
 //! `local_transport`), the shared-memory arena (`born`) and the Active Memory
@@ -20,5 +20,6 @@ pub mod peer;
 pub mod recycle;
 pub mod replica_tracker;
 pub mod store;
+pub mod strided;
 pub mod tier;
 pub mod unlinker;

@@ -285,8 +285,27 @@ impl FileStore {
         memory: u64,
         max_disk: Option<u64>,
     ) -> io::Result<PutOutcome> {
+        let whole: Vec<[&[u8]; 1]> = frames.iter().map(|&f| [f]).collect();
+        let gathered: Vec<&[&[u8]]> = whole.iter().map(|f| &f[..]).collect();
+        self.put_gathered(stem, &gathered, memory, max_disk)
+    }
+
+    /// As [`put`](Self::put), each frame given as the pieces it is made of,
+    /// in order (a strided array's runs, see `strided::c_order_runs`): the
+    /// pieces are written back to back, and the file holds each frame as one
+    /// frame of their total length, as if it had been copied together first.
+    pub fn put_gathered(
+        &self,
+        stem: &str,
+        frames: &[&[&[u8]]],
+        memory: u64,
+        max_disk: Option<u64>,
+    ) -> io::Result<PutOutcome> {
         check_name(stem)?;
-        let lengths: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+        let lengths: Vec<u64> = frames
+            .iter()
+            .map(|pieces| pieces.iter().map(|p| p.len() as u64).sum())
+            .collect();
         let layout = Layout::for_lengths(&lengths);
         let disk = layout.file_size;
         if !self.ledger().try_reserve(disk, max_disk) {
@@ -334,17 +353,18 @@ impl FileStore {
     fn write_new_file(
         &self,
         stem: &str,
-        frames: &[&[u8]],
+        frames: &[&[&[u8]]],
         layout: &Layout,
         max_disk: Option<u64>,
     ) -> io::Result<String> {
         let header = layout.header_bytes();
         let pads = layout.padding();
-        let mut slices = Vec::with_capacity(2 * frames.len() + 2);
+        let pieces: usize = frames.iter().map(|f| f.len()).sum();
+        let mut slices = Vec::with_capacity(pieces + frames.len() + 2);
         slices.push(IoSlice::new(&header));
         slices.push(IoSlice::new(&ZEROS[..pads[0] as usize]));
         for (frame, &pad) in frames.iter().zip(&pads[1..]) {
-            slices.push(IoSlice::new(frame));
+            slices.extend(frame.iter().map(|piece| IoSlice::new(piece)));
             if pad > 0 {
                 slices.push(IoSlice::new(&ZEROS[..pad as usize]));
             }
@@ -785,6 +805,33 @@ mod tests {
             .iter()
             .map(|&(o, l)| buf[o as usize..(o + l) as usize].to_vec())
             .collect()
+    }
+
+    #[test]
+    fn a_gathered_frame_is_stored_as_its_pieces_put_together() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = FileStore::open(tmp.path().join("spill")).unwrap();
+        // more pieces than one writev takes (IOV_MAX, 1024)
+        let rows: Vec<Vec<u8>> = (0..1029).map(|i| vec![i as u8; 100]).collect();
+        let pieces: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
+        let frames: [&[&[u8]]; 3] = [&[b"head"], &pieces, &[b"ta", b"il"]];
+        let (name, disk) = stored(store.put_gathered("g", &frames, 1, None).unwrap());
+        assert_eq!(
+            read_back(&store, &name),
+            vec![b"head".to_vec(), rows.concat(), b"tail".to_vec()]
+        );
+        // the same file as a put of the frames copied together
+        let whole = rows.concat();
+        let (other, other_disk) = stored(
+            store
+                .put("c", &[b"head", &whole, b"tail"], 1, None)
+                .unwrap(),
+        );
+        assert_eq!(disk, other_disk);
+        assert_eq!(
+            fs::read(store.path_of(&name)).unwrap(),
+            fs::read(store.path_of(&other)).unwrap()
+        );
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
+use dask_shm_core::strided::c_order_runs;
 use dask_shm_core::unlinker;
 use memmap2::MmapMut;
 use pyo3::exceptions::PyBufferError;
@@ -69,6 +70,94 @@ impl Drop for HeldBuffer {
     fn drop(&mut self) {
         // SAFETY: the view was obtained by PyObject_GetBuffer and is released once.
         unsafe { ffi::PyBuffer_Release(&mut self.view) }
+    }
+}
+
+/// Runs of a strided buffer shorter than this are copied together rather
+/// than written as pieces of their own (a vectored write of many tiny pieces
+/// costs more than the copy it saves).
+const MIN_PIECE: usize = 4096;
+/// At most this many pieces per frame; a buffer of more runs is copied.
+const MAX_PIECES: usize = 1 << 16;
+
+/// The bytes of a Python buffer object in C order, borrowed as the
+/// contiguous pieces they are made of, for as long as this value lives: one
+/// piece for a contiguous buffer; for a strided one whose rows are
+/// contiguous (numpy's `a[1:, 1:]`) one piece per run
+/// (`strided::c_order_runs`), with no copy. Any other buffer is copied once
+/// with `bytes(obj)`, as [`HeldBuffer::get`] does.
+pub struct HeldPieces {
+    /// Keeps the borrowed view (and any copy) alive for `pieces`.
+    _held: HeldBuffer,
+    pieces: Vec<(usize, usize)>,
+}
+
+impl HeldPieces {
+    pub fn get(obj: &Bound<'_, PyAny>) -> PyResult<HeldPieces> {
+        if let Ok(held) = HeldBuffer::simple(obj) {
+            let pieces = vec![held.raw()];
+            return Ok(HeldPieces {
+                _held: held,
+                pieces,
+            });
+        }
+        if let Some(gathered) = Self::strided(obj) {
+            return Ok(gathered);
+        }
+        let held = HeldBuffer::get(obj)?;
+        let pieces = vec![held.raw()];
+        Ok(HeldPieces {
+            _held: held,
+            pieces,
+        })
+    }
+
+    fn strided(obj: &Bound<'_, PyAny>) -> Option<HeldPieces> {
+        let mut view = std::mem::MaybeUninit::<ffi::Py_buffer>::uninit();
+        // SAFETY: PyObject_GetBuffer fills `view` on success (return 0).
+        let rc =
+            unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_STRIDES) };
+        if rc != 0 {
+            drop(PyErr::take(obj.py()));
+            return None;
+        }
+        let held = HeldBuffer {
+            // SAFETY: initialised by the successful call above.
+            view: unsafe { view.assume_init() },
+            _owner: None,
+        };
+        let view = &held.view;
+        let ndim = usize::try_from(view.ndim).ok()?;
+        if view.shape.is_null() || view.strides.is_null() || !view.suboffsets.is_null() {
+            return None;
+        }
+        // SAFETY: with PyBUF_STRIDES, shape and strides hold ndim entries each.
+        let (shape, strides) = unsafe {
+            (
+                std::slice::from_raw_parts(view.shape, ndim),
+                std::slice::from_raw_parts(view.strides, ndim),
+            )
+        };
+        let shape: Vec<usize> = shape
+            .iter()
+            .map(|&n| usize::try_from(n).ok())
+            .collect::<Option<_>>()?;
+        let itemsize = usize::try_from(view.itemsize).ok()?;
+        let runs = c_order_runs(itemsize, &shape, strides, MIN_PIECE, MAX_PIECES)?;
+        let base = view.buf as isize;
+        let pieces = runs
+            .into_iter()
+            .map(|(offset, len)| ((base + offset) as usize, len))
+            .collect();
+        Some(HeldPieces {
+            _held: held,
+            pieces,
+        })
+    }
+
+    /// Address and length of each piece, to hand to code running without the GIL.
+    pub fn raw(&self) -> &[(usize, usize)] {
+        &self.pieces
     }
 }
 

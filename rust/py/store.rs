@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyList, PyMemoryView};
 
 use crate::buffers::{
-    release_entry, release_store, slices_from_raw, EntryOfStore, HeldBuffer, MappedFile,
+    release_entry, release_store, slices_from_raw, EntryOfStore, HeldPieces, MappedFile,
 };
 use crate::errors::{directory_error, io_error_at, peer_err, to_pyerr_at};
 use crate::fs::run;
@@ -152,6 +152,8 @@ impl FileStore {
     /// Write `frames` into a new file `{stem}#{n}`; account `memory` bytes in
     /// memory and the file size on disk. Returns `(name, disk_bytes)`, or None
     /// without writing anything when that would take the store past `max_disk`.
+    /// A frame may be any buffer: a strided one (a numpy view) is stored as
+    /// its C-order bytes, written from its rows where they are contiguous.
     #[pyo3(signature = (stem, frames, memory, max_disk=None))]
     fn put(
         &self,
@@ -163,15 +165,17 @@ impl FileStore {
     ) -> PyResult<Option<(String, u64)>> {
         let held = frames
             .try_iter()?
-            .map(|f| HeldBuffer::get(&f?))
+            .map(|f| HeldPieces::get(&f?))
             .collect::<PyResult<Vec<_>>>()?;
-        let raw: Vec<(usize, usize)> = held.iter().map(HeldBuffer::raw).collect();
-        let bytes = raw.iter().map(|&(_, len)| len as u64).sum();
+        let raw: Vec<Vec<(usize, usize)>> = held.iter().map(|h| h.raw().to_vec()).collect();
+        let bytes = raw.iter().flatten().map(|&(_, len)| len as u64).sum();
         let store = Arc::clone(&self.inner);
         let outcome = run(py, self.keeps_gil(bytes), move || {
             // SAFETY: `held` outlives this closure (it is dropped after `run` returns).
-            let slices = unsafe { slices_from_raw(&raw) };
-            store.put(stem, &slices, memory, max_disk)
+            let pieces: Vec<Vec<&[u8]>> =
+                raw.iter().map(|r| unsafe { slices_from_raw(r) }).collect();
+            let frames: Vec<&[&[u8]]> = pieces.iter().map(|p| &p[..]).collect();
+            store.put_gathered(stem, &frames, memory, max_disk)
         })
         .map_err(|e| io_error_at(e, self.inner.directory()))?;
         drop(held);
