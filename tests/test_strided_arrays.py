@@ -114,3 +114,28 @@ def test_sliced_arrays_spill_and_come_back_as_in_stock(tmp_path, kind, shared_sp
         assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got, value)
+
+
+def test_a_sliced_array_is_written_without_a_copy(tmp_path):
+    """The write allocates nothing of the array's size (tracemalloc sees
+    numpy's buffers and Python's ``bytes``, the two copies there were)."""
+    import tracemalloc
+
+    store = FileStore(str(tmp_path / "files"))
+    view = BASE[1:, 1:]  # 3.2 MB
+    narrow = np.ones((4000, 300))[:, 1:]  # rows of 2,392 bytes: copied by the store
+    cases = {"sliced": view, "innermost axis strided": BASE[:, ::2], "narrow rows": narrow}
+    serialize(BASE[:2, 1:])  # distributed's numpy serializer, imported on first use
+    peaks = {}
+    for name, value in cases.items():
+        tracemalloc.start()
+        try:
+            header, frames = serialize_unsplit(value, lambda *_: None)
+            store.put(name, [pack_header(header), *frames], 1)
+            peaks[name] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peaks["sliced"] < view.nbytes / 10, peaks
+    # the check sees a copy where one is made: distributed's, or the store's
+    assert peaks["innermost axis strided"] >= BASE[:, ::2].nbytes, peaks
+    assert peaks["narrow rows"] >= narrow.nbytes, peaks
