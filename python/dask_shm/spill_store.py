@@ -155,13 +155,13 @@ def _serialize_strided_array(value: object) -> tuple[dict, list] | None:
     array of the same shape and dtype over an anonymous mapping that is
     never written (so its pages are never touched): a file holding the
     array's bytes in C order under it reads back as that copy would, on any
-    reader. About half
-    of a handed-over slice's cost on the sender was that copy (a fresh
-    allocation, its page faults, one more pass over the bytes)."""
+    reader. The copy was a third of the cost of writing a slice (a 20 MiB
+    ``a[1:, 1:]`` into a store on /dev/shm: 8.7-9.7 ms with it, 5.0-6.4 ms
+    without, medians of 40 in one process on the dev box)."""
     np: Any = sys.modules.get("numpy")  # not imported: value is no array
-    if np is None or type(value) is not np.ndarray:
-        return None
     array: Any = value
+    if np is None or type(array) is not np.ndarray:
+        return None
     if array.nbytes < STRIDED_MIN_BYTES:
         return None
     if array.flags.c_contiguous or array.flags.f_contiguous:
