@@ -139,3 +139,25 @@ def test_a_sliced_array_is_written_without_a_copy(tmp_path):
     # the check sees a copy where one is made: distributed's, or the store's
     assert peaks["innermost axis strided"] >= BASE[:, ::2].nbytes, peaks
     assert peaks["narrow rows"] >= narrow.nbytes, peaks
+
+
+def test_a_sliced_array_that_does_not_fit_leaves_nothing_behind():
+    """A full tmpfs refuses the row-by-row write as it refuses any other: an
+    OSError, no file left, and the store still takes what fits."""
+    import errno
+    import os
+
+    from tmpfs import small_tmpfs
+
+    view = BASE[1:, 1:]  # 3.2 MB
+    with small_tmpfs("2m") as root:
+        store = FileStore(os.path.join(root, "files"))
+        header, frames = serialize_unsplit(view, lambda *_: None)
+        with pytest.raises(OSError) as raised:
+            store.put("big", [pack_header(header), *frames], 1)
+        assert raised.value.errno == errno.ENOSPC
+        assert os.listdir(store.directory) == [] and store.total() == (0, 0)
+        small = BASE[:100, 1:200]  # 159 KB, sliced too
+        header, frames = serialize_unsplit(small, lambda *_: None)
+        name, _ = store.put("small", [pack_header(header), *frames], 1)
+        np.testing.assert_array_equal(frames_to_object(store.read_mapped(name)), small)

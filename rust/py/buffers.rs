@@ -27,21 +27,16 @@ pub struct HeldBuffer {
 }
 
 impl HeldBuffer {
-    /// Borrow the bytes of `obj`. Objects that cannot export a contiguous
-    /// buffer (e.g. a strided memoryview) are first copied with `bytes(obj)`.
-    pub fn get(obj: &Bound<'_, PyAny>) -> PyResult<HeldBuffer> {
-        match Self::simple(obj) {
-            Ok(held) => Ok(held),
-            Err(first) => {
-                let copied = match obj.py().get_type::<pyo3::types::PyBytes>().call1((obj,)) {
-                    Ok(c) => c,
-                    Err(_) => return Err(first),
-                };
-                let mut held = Self::simple(&copied)?;
-                held._owner = Some(copied.unbind());
-                Ok(held)
-            }
-        }
+    /// The bytes of `bytes(obj)`, held with the copy; `first` (why `obj`
+    /// gave no contiguous buffer) if it cannot be copied either.
+    fn copied(obj: &Bound<'_, PyAny>, first: PyErr) -> PyResult<HeldBuffer> {
+        let copied = match obj.py().get_type::<pyo3::types::PyBytes>().call1((obj,)) {
+            Ok(c) => c,
+            Err(_) => return Err(first),
+        };
+        let mut held = Self::simple(&copied)?;
+        held._owner = Some(copied.unbind());
+        Ok(held)
     }
 
     fn simple(obj: &Bound<'_, PyAny>) -> PyResult<HeldBuffer> {
@@ -85,7 +80,7 @@ const MAX_PIECES: usize = 1 << 16;
 /// piece for a contiguous buffer; for a strided one whose rows are
 /// contiguous (numpy's `a[1:, 1:]`) one piece per run
 /// (`strided::c_order_runs`), with no copy. Any other buffer is copied once
-/// with `bytes(obj)`, as [`HeldBuffer::get`] does.
+/// with `bytes(obj)`.
 pub struct HeldPieces {
     /// Keeps the borrowed view (and any copy) alive for `pieces`.
     _held: HeldBuffer,
@@ -94,17 +89,13 @@ pub struct HeldPieces {
 
 impl HeldPieces {
     pub fn get(obj: &Bound<'_, PyAny>) -> PyResult<HeldPieces> {
-        if let Ok(held) = HeldBuffer::simple(obj) {
-            let pieces = vec![held.raw()];
-            return Ok(HeldPieces {
-                _held: held,
-                pieces,
-            });
-        }
-        if let Some(gathered) = Self::strided(obj) {
-            return Ok(gathered);
-        }
-        let held = HeldBuffer::get(obj)?;
+        let held = match HeldBuffer::simple(obj) {
+            Ok(held) => held,
+            Err(first) => match Self::strided(obj) {
+                Some(gathered) => return Ok(gathered),
+                None => HeldBuffer::copied(obj, first)?,
+            },
+        };
         let pieces = vec![held.raw()];
         Ok(HeldPieces {
             _held: held,
