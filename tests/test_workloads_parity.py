@@ -139,8 +139,18 @@ def unspilled_result(name: str) -> Any:
         return SPILL_ORDER_DEPENDENT[name](None, MEMORY, SCALE)
 
 
-def make(n: int) -> np.ndarray:
-    return np.arange(n, dtype=float)
+#: the values mutation_scenario hands over: 4 MiB, above min-size and
+#: born-threshold (shared in shared mode); "sliced" is a view that skips each
+#: row's first 8 elements, which shared mode writes into its file row by row
+#: (dask_shm.spill_store) where stock copies it before sending it
+SHAPES = {
+    "contiguous": lambda: np.arange(4 * MiB // 8, dtype=float),
+    "sliced": lambda: np.arange(512 * 1032, dtype=float).reshape(512, 1032)[:, 8:],
+}
+
+
+def make(shape: str) -> np.ndarray:
+    return SHAPES[shape]()
 
 
 def mutate(x: np.ndarray, _after: Any = None) -> float:
@@ -152,21 +162,20 @@ def total(x: np.ndarray, _after: Any = None) -> float:
     return float(x.sum())
 
 
-def mutation_scenario(client: Client) -> list[float]:
+def mutation_scenario(client: Client, shape: str) -> list[float]:
     """x made on a; read on b (a copy arrives there), then mutated in place
     by a task on b; then read again on a and on b. Then y made on a, sent to b,
     mutated on a, read on a and b. Returns the seven sums."""
     a, b = worker_addresses(client)
-    n = 4 * MiB // 8  # above min-size and born-threshold: shared in shared mode
     seen = []
-    x = client.submit(make, n, workers=[a], pure=False)
+    x = client.submit(make, shape, workers=[a], pure=False)
     first = client.submit(total, x, workers=[b], pure=False)
     seen.append(first.result())
     changed = client.submit(mutate, x, first, workers=[b], pure=False)
     seen.append(changed.result())
     for where in (a, b):
         seen.append(client.submit(total, x, changed, workers=[where], pure=False).result())
-    y = client.submit(make, n, workers=[a], pure=False)
+    y = client.submit(make, shape, workers=[a], pure=False)
     on_b = client.submit(total, y, workers=[b], pure=False)
     wait(on_b)
     changed = client.submit(mutate, y, on_b, workers=[a], pure=False)
@@ -176,23 +185,28 @@ def mutation_scenario(client: Client) -> list[float]:
     return seen
 
 
-ORIGINAL = float(np.arange(4 * MiB // 8, dtype=float).sum())
-MUTATED = -float(4 * MiB // 8)
-
-
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_in_place_mutation_never_reaches_another_worker(
-    unpressed_cluster: tuple[str, Client],
+    unpressed_cluster: tuple[str, Client], shape: str
 ) -> None:
-    _, client = unpressed_cluster
-    seen = mutation_scenario(client)
-    assert (seen[2], seen[6]) == (ORIGINAL, ORIGINAL), seen  # the other worker's copy
-    assert (seen[1], seen[4]) == (MUTATED, MUTATED), seen  # the mutating task's own view
+    mode, client = unpressed_cluster
+    original, mutated = float(make(shape).sum()), -float(make(shape).size)
+    before = shm_totals(client) if mode != "stock" else {}
+    seen = mutation_scenario(client, shape)
+    assert (seen[2], seen[6]) == (original, original), seen  # the other worker's copy
+    assert (seen[1], seen[4]) == (mutated, mutated), seen  # the mutating task's own view
+    if mode != "stock":  # x and y reached b as files
+        assert shm_totals(client)["link_transfers"] - before["link_transfers"] >= 2
 
 
-def test_in_place_mutation_is_seen_as_in_stock(unpressed_cluster: tuple[str, Client]) -> None:
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_in_place_mutation_is_seen_as_in_stock(
+    unpressed_cluster: tuple[str, Client], shape: str
+) -> None:
     """Stock: the mutating worker's later tasks see the mutation, the other
     worker's do not. Shared mode shows the same, with born arrays too."""
     mode, client = unpressed_cluster
-    seen = mutation_scenario(client)
-    record(mode, "mutation", seen)
-    assert seen == [ORIGINAL, MUTATED, ORIGINAL, MUTATED, MUTATED, MUTATED, ORIGINAL]
+    original, mutated = float(make(shape).sum()), -float(make(shape).size)
+    seen = mutation_scenario(client, shape)
+    record(mode, f"mutation, {shape}", seen)
+    assert seen == [original, mutated, original, mutated, mutated, mutated, original]
