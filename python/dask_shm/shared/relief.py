@@ -47,6 +47,7 @@ from dask.utils import format_bytes
 
 from dask_shm.shared.monitor import worker_alive
 from dask_shm.shared.tiers import MOVE_STEP
+from dask_shm.stop_signal import StopSignal
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -90,7 +91,7 @@ class Tier2Relief:
         self.target_bytes = int(limit * target)
         self.interval = interval
         self._alive = alive
-        self._stop = threading.Event()
+        self._stop = StopSignal()
         self._thread = threading.Thread(
             target=self._run, name="dask-shm tier-2 relief", daemon=True
         )
