@@ -58,7 +58,12 @@ it goes, with the load average):
   durations as the receiving worker timed them (request to value in memory);
 - ``worker_cpu_seconds``: user + system CPU the worker processes used
   during the compute (psutil, from the bench's process: they run on this
-  host), and apart ``worker_user_seconds`` and ``worker_system_seconds``.
+  host), and apart ``worker_user_seconds`` and ``worker_system_seconds``;
+  ``thread_cpu_seconds``: the same CPU by the workers' threads, summed per
+  kind (``loop``: the event loop's thread; ``tasks``: the task threads;
+  ``offload``: distributed's offload thread; ``dask-shm``: dask-shm's own
+  threads, the Rust unlinking thread among them; ``other``), from each
+  thread's schedstat. Threads that ended during the compute are missing.
   Unlike wall time it does not depend on how a busy host shares its
   cores. A worker that died meanwhile takes its CPU with it; one started
   meanwhile counts from its start;
@@ -270,6 +275,63 @@ def worker_cpu_seconds(pids: set[int]) -> dict[int, tuple[float, float]]:
     return seconds
 
 
+#: Worker threads by a part of their name (Python's, else the kernel's
+#: ``comm``; the task threads' is ``<n>-Dask-Default-Threads-<pid>-<n>``), as
+#: ``thread_cpu_seconds`` groups them; the rest is "other".
+THREAD_GROUPS = (
+    ("MainThread", "loop"),
+    ("Dask-Default-Threads", "tasks"),
+    ("Dask-Offload", "offload"),
+    ("dask-shm", "dask-shm"),
+)
+
+
+def _thread_names() -> dict[int, str]:
+    """This process's Python threads: native id -> name."""
+    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+
+def thread_runtimes(pids: set[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    """``(pid, tid) -> (comm, seconds on a CPU so far)`` for every thread of
+    ``pids`` (``/proc/<pid>/task/<tid>/schedstat``: exact, where the
+    tick-sampled ``stat`` times over-count threads that wake on timer ticks)."""
+    times = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            task = f"/proc/{pid}/task/{tid}"
+            try:
+                with open(f"{task}/schedstat") as f:
+                    ns = int(f.read().split()[0])
+                with open(f"{task}/comm") as f:
+                    comm = f.read().strip()
+            except (OSError, ValueError, IndexError):
+                continue
+            times[(pid, int(tid))] = (comm, ns / 1e9)
+    return times
+
+
+def thread_cpu_seconds(
+    before: dict[tuple[int, int], tuple[str, float]],
+    after: dict[tuple[int, int], tuple[str, float]],
+    names: dict[int, dict[int, str]],
+) -> dict[str, float]:
+    """CPU seconds of the workers' threads between two
+    :func:`thread_runtimes`, summed by :data:`THREAD_GROUPS` (``names``: pid
+    -> :func:`_thread_names`). A thread that ended in between is not
+    counted; one started in between counts from its start."""
+    groups: dict[str, float] = {}
+    for (pid, tid), (comm, seconds) in after.items():
+        name = names.get(pid, {}).get(tid, comm)
+        group = next((g for part, g in THREAD_GROUPS if part in name), "other")
+        used = seconds - before.get((pid, tid), (comm, 0.0))[1]
+        groups[group] = round(groups.get(group, 0.0) + used, 2)
+    return groups
+
+
 #: /proc/vmstat counters reported over the compute, as extra_info names
 #: (a name of several counters reports their sum).
 VMSTAT = {
@@ -403,6 +465,7 @@ def test_workload(
         lo0 = loopback_sent()
         removed0 = client.run_on_scheduler(_workers_removed)
         cpu0 = worker_cpu_seconds(set(client.run(os.getpid).values()))
+        threads0 = thread_runtimes(set(cpu0))
         vmstat0 = read_vmstat()
         client.run(_watch_loop)
         with PeakMeminfo() as peak, get_task_stream(client) as stream:
@@ -415,7 +478,10 @@ def test_workload(
         tasks = task_stream_figures(stream.data, WORKERS, benchmark.stats.stats.median)
         loopback = loopback_sent() - lo0
         vmstat = {name: n - vmstat0[name] for name, n in read_vmstat().items()}
-        cpu1 = worker_cpu_seconds(set(cpu0) | set(client.run(os.getpid).values()))
+        pids = client.run(os.getpid)
+        cpu1 = worker_cpu_seconds(set(cpu0) | set(pids.values()))
+        names = {pids[w]: n for w, n in client.run(_thread_names).items()}
+        threads = thread_cpu_seconds(threads0, thread_runtimes(set(cpu1)), names)
         user, system = (
             sum(times[i] - cpu0.get(pid, (0.0, 0.0))[i] for pid, times in cpu1.items())
             for i in (0, 1)
@@ -437,6 +503,7 @@ def test_workload(
         "worker_cpu_seconds": round(user + system, 2),
         "worker_user_seconds": round(user, 2),
         "worker_system_seconds": round(system, 2),
+        "thread_cpu_seconds": threads,
         **vmstat,
         "loop_stalled_seconds": round(sum(stalls), 2),
         "loop_stalls": len(stalls),
@@ -465,7 +532,8 @@ def test_workload(
         f"  p2p-file {mib['p2p_file_bytes']:6.0f} MiB"
         f"  ahead {info['written_ahead']} ({info['written_ahead_unused']} unused)"
         f"  tasks {tasks['task_seconds']} s (busy {tasks['busy']})"
-        f"  cpu {info['worker_cpu_seconds']} s (system {info['worker_system_seconds']} s)"
+        f"  cpu {info['worker_cpu_seconds']} s (system {info['worker_system_seconds']} s;"
+        f" by thread {' '.join(f'{g} {t}' for g, t in sorted(threads.items()))})"
         f"  faults {vmstat['page_faults']} (huge {vmstat['huge_page_faults']})"
         f"  pages allocated {vmstat['pages_allocated']}"
         f"  loop stalls {info['loop_stalls']} ({info['loop_stalled_seconds']} s,"
