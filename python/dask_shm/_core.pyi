@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension module ``dask_shm._core``."""
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from os import PathLike
 from typing import Any, Self, TypeVar, final
 
@@ -410,6 +410,30 @@ def mapping_memory() -> tuple[int, int]:
     this process holds any more (deleted, forgotten, moved away, or never an
     entry), once per file: they stay in RAM only because they are mapped.
     O(1)."""
+
+@final
+class SharePublishing:
+    """A Rust thread that writes, every ``interval`` seconds until
+    :meth:`stop`, the line ``<share> <namespace or -> <mapped> <kept>
+    <stamp>`` to ``path`` (through ``<path>.tmp`` and a rename): ``share``
+    the sum of ``stores``' disk totals (``FileStore.total()[1]``), ``mapped``
+    and ``kept`` this process's :func:`mapping_memory` with the born arena's
+    own bytes (owned and cached) added to both, ``stamp`` CLOCK_MONOTONIC
+    seconds (``time.monotonic()``) read before the figures. Never takes the
+    GIL to publish; a write that fails leaves the last line. Holds the
+    stores weakly. Raises ValueError for an interval that is not a positive
+    number, OSError if the thread cannot start."""
+
+    def __init__(
+        self, path: str, stores: Sequence[FileStore], namespace: int | None, interval: float
+    ) -> None: ...
+    @staticmethod
+    def figures_of(stores: Sequence[FileStore]) -> tuple[int, int, int]:
+        """``(share, mapped, kept)`` as the thread computes them, now."""
+    def running(self) -> bool:
+        """Whether the thread still publishes."""
+    def stop(self) -> None:
+        """End the thread, waiting for a write in progress; idempotent."""
 
 def watch_mappings(read: Callable[[], _T]) -> tuple[_T, bool]:
     """Call ``read()`` and return ``(its value, kept)``: ``kept`` tells whether

@@ -2,7 +2,7 @@
 //!
 //! Spill files (`format`, `store`, `ledger`, `recycle`, `fs`, `strided`), the tier-2 ->
 //! tier-3 move and budget (`tier`), deleting files off the caller's thread
-//! (`unlinker`), reading a peer's files (`peer`,
+//! (`unlinker`), a worker's figures for its nanny (`publish`), reading a peer's files (`peer`,
 //! `local_transport`), the shared-memory arena (`born`) and the Active Memory
 //! Manager's decisions (`amm`) and its ReduceReplicas tracker
 //! (`replica_tracker`, with `addr_map`). The bindings (`rust/py`, the
@@ -17,6 +17,7 @@ pub mod fs;
 pub mod ledger;
 pub mod local_transport;
 pub mod peer;
+pub mod publish;
 pub mod recycle;
 pub mod replica_tracker;
 pub mod store;

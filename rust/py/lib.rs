@@ -11,6 +11,7 @@ mod buffers;
 mod errors;
 mod fs;
 mod local_transport;
+mod publish;
 mod set_order;
 mod slots;
 mod store;
@@ -53,6 +54,8 @@ mod _core {
     use super::fs::{file_fingerprint, is_ram_backed, seal_file, unlink_file};
     #[pymodule_export]
     use super::local_transport::{buffer_address, map_frames, py_pages_unmodified, MappedRange};
+    #[pymodule_export]
+    use super::publish::SharePublishing;
     #[pymodule_export]
     use super::store::{flush_deletes, read_peer_file, FileStore};
     #[pymodule_export]

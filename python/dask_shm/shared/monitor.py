@@ -48,7 +48,12 @@ from tornado.ioloop import PeriodicCallback
 from dask_shm import _core
 from dask_shm.procmem import ProcessMemory, process_memory
 from dask_shm.shared.born import own_bytes as born_own_bytes
-from dask_shm.shared.published_share import SharePublisher, read_published, share_path
+from dask_shm.shared.published_share import (
+    NativeSharePublisher,
+    SharePublisher,
+    read_published,
+    share_path,
+)
 
 if TYPE_CHECKING:
     from distributed import Nanny, Worker
@@ -119,8 +124,8 @@ _publishers: weakref.WeakKeyDictionary[Worker, SharePublisher] = weakref.WeakKey
 def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
     """Worker memory = private memory + ``buffer``'s tier-2 share; the share
     is also published for the nanny, and the link counts behind it kept
-    current, by a :class:`~dask_shm.shared.published_share.SharePublisher`
-    thread. ``buffer`` also compares that figure with the worker's spill
+    current, by a :class:`~dask_shm.shared.published_share.NativeSharePublisher`
+    (a Rust thread publishes, a Python one refreshes). ``buffer`` also compares that figure with the worker's spill
     threshold after each unspill through a mapping (see
     :attr:`~dask_shm.shared.buffer.SharedSpillBuffer.over_spill_threshold`)."""
 
@@ -139,15 +144,16 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
 
     buffer.over_spill_threshold = over_spill_threshold
     tiers = buffer.store.tiers
-    publisher = SharePublisher(
+    publisher = NativeSharePublisher(
         share_path(buffer.store.directory),
-        tiers.ram_bytes,
+        tiers.ram_stores,
         tiers.refresh_links,
+        share=tiers.ram_bytes,
+        pages=_published_pages,
         # Twice per look of the nanny (every 100 ms): it counts shared
         # pages only on figures stamped after its last look.
         interval=0.05,
         alive=worker_alive(worker),
-        pages=_published_pages,
     )
     publisher.start()
     _publishers[worker] = publisher

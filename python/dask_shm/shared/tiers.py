@@ -294,6 +294,11 @@ class TieredFiles:
             return self._first
         raise KeyError(name)
 
+    @property
+    def ram_stores(self) -> list[FileStore]:
+        """The stores of the RAM tiers, whose files :meth:`ram_bytes` counts."""
+        return list(self._ram_stores)
+
     def ram_bytes(self) -> int:
         """Bytes of RAM tiers' files that count for this store (1/k of a file
         with k hard links): what this worker holds in tmpfs files. O(1); link
