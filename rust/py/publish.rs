@@ -20,17 +20,19 @@ use crate::store::FileStore;
 /// and `TieredFiles.ram_bytes` give them: the stores' shares (the disk size
 /// of a file over its link count), mapped and kept bytes, with the born
 /// arena's own blocks in both.
+/// The pages are read before the share, as `SharePublisher.publish` reads
+/// them: a mapping made meanwhile then shows in neither.
 fn figures(stores: &[Weak<Store>]) -> Figures {
-    let share = stores
-        .iter()
-        .filter_map(Weak::upgrade)
-        .map(|store| store.total().disk)
-        .sum();
     let (mapped, kept) = mapping_memory();
     let arena = {
         let stats = ARENA.stats();
         (stats.owned_bytes + stats.cached_bytes) as u64
     };
+    let share = stores
+        .iter()
+        .filter_map(Weak::upgrade)
+        .map(|store| store.total().disk)
+        .sum();
     Figures {
         share,
         mapped: mapped as u64 + arena,
