@@ -43,6 +43,7 @@ __all__ = [
     "ReplicaTracker",
     "seal_file",
     "set_numpy_handler",
+    "SharePublishing",
     "SpillFileError",
     "TierBudget",
     "TrackerHub",
@@ -424,9 +425,9 @@ class SharePublishing:
     stores weakly. Raises ValueError for an interval that is not a positive
     number, OSError if the thread cannot start."""
 
-    def __init__(
-        self, path: str, stores: Sequence[FileStore], namespace: int | None, interval: float
-    ) -> None: ...
+    def __new__(
+        cls, path: str, stores: Sequence[FileStore], namespace: int | None, interval: float
+    ) -> Self: ...
     @staticmethod
     def figures_of(stores: Sequence[FileStore]) -> tuple[int, int, int]:
         """``(share, mapped, kept)`` as the thread computes them, now."""

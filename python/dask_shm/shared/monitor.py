@@ -125,8 +125,9 @@ def install_worker_monitor(worker: Worker, buffer: SharedSpillBuffer) -> None:
     """Worker memory = private memory + ``buffer``'s tier-2 share; the share
     is also published for the nanny, and the link counts behind it kept
     current, by a :class:`~dask_shm.shared.published_share.NativeSharePublisher`
-    (a Rust thread publishes, a Python one refreshes). ``buffer`` also compares that figure with the worker's spill
-    threshold after each unspill through a mapping (see
+    (a Rust thread publishes, a Python one refreshes). ``buffer`` also
+    compares that figure with the worker's spill threshold after each
+    unspill through a mapping (see
     :attr:`~dask_shm.shared.buffer.SharedSpillBuffer.over_spill_threshold`)."""
 
     def worker_memory() -> int:
