@@ -328,8 +328,8 @@ def thread_cpu_seconds(
         name = names.get(pid, {}).get(tid, comm)
         group = next((g for part, g in THREAD_GROUPS if part in name), "other")
         used = seconds - before.get((pid, tid), (comm, 0.0))[1]
-        groups[group] = round(groups.get(group, 0.0) + used, 2)
-    return groups
+        groups[group] = groups.get(group, 0.0) + used
+    return {group: round(seconds, 2) for group, seconds in groups.items()}
 
 
 #: /proc/vmstat counters reported over the compute, as extra_info names

@@ -222,7 +222,7 @@ class SharePublisher:
 
     def _loop(self) -> None:
         next_refresh = time.monotonic() + self.refresh_interval
-        while not self._stop.wait(self.interval) and self._alive():
+        while not self._stop.wait(self._look_interval()) and self._alive():
             try:
                 now = time.monotonic()
                 if now >= next_refresh:
@@ -231,9 +231,17 @@ class SharePublisher:
                     self.refreshes += 1
                     self.refresh_seconds += took
                     next_refresh = now + max(self.refresh_interval, REFRESH_DUTY * took)
-                self.publish()
+                self._publish_round()
             except Exception:  # a closed store, a vanished directory
                 logger.debug("dask-shm: share publisher %s", self.path, exc_info=True)
+
+    def _look_interval(self) -> float:
+        """Seconds between the thread's rounds."""
+        return self.interval
+
+    def _publish_round(self) -> None:
+        """A round's publishing, after the refresh if one was due."""
+        self.publish()
 
     def stop(self) -> None:
         self._stop.set()
@@ -296,20 +304,11 @@ class NativeSharePublisher(SharePublisher):
         )
         self._thread.start()
 
-    def _loop(self) -> None:
-        next_refresh = time.monotonic() + self.refresh_interval
-        while not self._stop.wait(min(NATIVE_LOOK, self.refresh_interval)) and self._alive():
-            now = time.monotonic()
-            if now < next_refresh:
-                continue
-            try:
-                self._refresh()
-            except Exception:  # a closed store, a vanished directory
-                logger.debug("dask-shm: share publisher %s", self.path, exc_info=True)
-            took = time.monotonic() - now
-            self.refreshes += 1
-            self.refresh_seconds += took
-            next_refresh = now + max(self.refresh_interval, REFRESH_DUTY * took)
+    def _look_interval(self) -> float:
+        return min(NATIVE_LOOK, self.refresh_interval)
+
+    def _publish_round(self) -> None:
+        pass  # the Rust thread publishes
 
     def _run(self) -> None:
         try:
@@ -328,6 +327,5 @@ class NativeSharePublisher(SharePublisher):
         return self._native is not None and self._native.running()
 
     def stop(self) -> None:
-        self._stop.set()
         self._stop_native()
         super().stop()
