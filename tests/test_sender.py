@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from dask.sizeof import sizeof
 from distributed.protocol.serialize import Serialize, to_serialize
 from distributed.utils import offload
 
@@ -132,3 +133,52 @@ def test_links_made_after_the_request_ended_are_deleted(buffer):
     assert outgoing(buffer) == []
     for i in range(4 * OFFLOAD_KEYS):
         assert buffer[f"k{i}"][0] == i
+
+
+class Measured:
+    """A value whose ``sizeof`` counts its calls: for a pandas DataFrame it
+    walks every column (milliseconds for a hundred of them)."""
+
+    calls = 0
+
+    def __init__(self, nbytes: int) -> None:
+        self.payload = np.ones(nbytes // 8)
+
+
+@sizeof.register(Measured)
+def _sizeof_measured(value: Measured) -> int:
+    Measured.calls += 1
+    return int(value.payload.nbytes) + 100
+
+
+def test_a_value_handed_over_is_sized_by_its_weight_not_measured_again(buffer):
+    """``sizeof`` runs once, when the value is stored: handing it over
+    (the offload and ``transfer_min_size`` decisions, the file's accounting)
+    takes the buffer's weight of it, and the handle says that size."""
+    buffer["k"] = Measured(512 * 1024)
+    stored = Measured.calls
+    assert stored >= 1
+    assert buffer.private_nbytes("k") == 512 * 1024 + 100
+    comm = RecordingComm()
+    proxy = _HandleSwappingComm(comm, buffer, frozenset({2}), MB, min_bytes=256 * 1024)
+    asyncio.run(proxy.write({"status": "OK", "data": {"k": to_serialize(buffer["k"])}}))
+    handle = handles(comm.sent[0])["k"]
+    assert isinstance(handle, Handle)
+    assert handle.memory == 512 * 1024 + 100
+    assert Measured.calls == stored
+    proxy.delete_links()
+    assert buffer.private_nbytes("k") is None  # in its file now
+    assert buffer["k"].payload.sum() == 512 * 1024 // 8
+
+
+def test_only_values_still_in_memory_count_towards_offloading(buffer):
+    """A batch is swapped in the offload thread when the bytes it must write
+    pass ``offload_bytes``: a value already in a file is only linked."""
+    buffer["private"] = np.ones(256 * 1024 // 8)
+    buffer["in_file"] = np.ones(256 * 1024 // 8)
+    earlier = buffer.export("in_file")
+    assert earlier is not None
+    os.unlink(earlier.path)
+    proxy = _HandleSwappingComm(RecordingComm(), buffer, frozenset({2}), 200 * 1024)
+    assert proxy._offloads({"private": to_serialize(buffer["private"])})
+    assert not proxy._offloads({"in_file": to_serialize(buffer["in_file"])})

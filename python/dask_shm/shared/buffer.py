@@ -416,6 +416,18 @@ class SharedSpillBuffer(SpillBuffer):
         private = self.store.private_weight(key, value)
         return safe_sizeof(value) if private is None else private
 
+    def private_nbytes(self, key: Key) -> int | None:
+        """The ``sizeof`` of ``key``'s value, as weighed when it was stored,
+        if the value is held only in private memory (no file of its own);
+        None if it is in a file (spilled, or mapped from one) or absent.
+
+        Answers without measuring the value again: ``sizeof`` of a pandas
+        DataFrame walks its columns (milliseconds for a hundred of them)."""
+        if self.store.file_of(key) is not None:
+            return None
+        weight = self.fast.weights.get(key)
+        return None if weight is None else int(weight)
+
     def __setitem__(self, key: Key, value: object) -> None:
         """As :meth:`dask_shm.SpillBuffer.__setitem__`; additionally raises
         :class:`~dask_shm.shared.guard.HandleLeakError` (nothing stored) when
@@ -585,7 +597,7 @@ class SharedSpillBuffer(SpillBuffer):
             with self.lock:
                 if self._closed or self.fast.d.get(key) is not value:
                     return  # deleted, replaced or spilled while queued: nothing to write
-            name = store.write_file(key, value, only_shared=True)
+            name = store.write_file(key, value, only_shared=True, memory=self.private_nbytes(key))
             if name is None:
                 return  # not worth sharing
             with self._operation_lock:
@@ -640,13 +652,14 @@ class SharedSpillBuffer(SpillBuffer):
                     if key not in self.fast or (tiers is not None and first not in tiers):
                         return None
                     value = self.fast.d[key]
+                    memory = int(self.fast.weights[key])  # its sizeof: not retained
                     if store.write_born(key, value):  # no copy: under the locks
                         return self._exported(key, tiers)
                 except (MaxSpillExceeded, PickleError, OSError, ForgedHandleError) as e:
                     # (ForgedHandleError: the sealed block could not be linked in)
                     return self._not_exported(key, e)
         try:
-            name = store.write_file(key, value, only_shared=True)
+            name = store.write_file(key, value, only_shared=True, memory=memory)
         except (MaxSpillExceeded, PickleError, OSError) as e:
             return self._not_exported(key, e)
         if name is None:

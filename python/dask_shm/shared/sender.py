@@ -113,15 +113,16 @@ class _HandleSwappingComm:
             return True
         if self._offload_bytes is None:
             return False
-        values = (w.data if isinstance(w, Serialize) else w for w in data.values())
-        return sum(safe_sizeof(v) for v in values) > self._offload_bytes
+        # What the swap writes: the values still only in private memory (one
+        # in a file is linked), by their weight in the buffer.
+        return sum(self._buffer.private_nbytes(key) or 0 for key in data) > self._offload_bytes
 
     def _swap(self, data: dict) -> dict:
         counters = self._buffer.shm_counters
         out = {}
         for key, wrapped in data.items():
             value = wrapped.data if isinstance(wrapped, Serialize) else wrapped
-            nbytes = self._private_nbytes(key, value)
+            nbytes = self._private_nbytes(key)
             handle = None
             if nbytes is None or nbytes >= self._min_bytes:
                 try:
@@ -146,13 +147,14 @@ class _HandleSwappingComm:
             out[key] = to_serialize(handle)
         return out
 
-    def _private_nbytes(self, key: Any, value: object) -> int | None:
-        """``sizeof(value)`` when the size decides (a value only in private
-        memory and a ``min_bytes`` threshold): under it the value keeps its
-        bytes. None otherwise: a value in a file is linked whatever its size."""
-        if self._min_bytes <= 0 or self._buffer.store.file_of(key) is not None:
+    def _private_nbytes(self, key: Any) -> int | None:
+        """The value's ``sizeof`` (its weight in the buffer) when the size
+        decides (a value only in private memory and a ``min_bytes``
+        threshold): under it the value keeps its bytes. None otherwise: a
+        value in a file is linked whatever its size."""
+        if self._min_bytes <= 0:
             return None
-        return safe_sizeof(value)
+        return self._buffer.private_nbytes(key)
 
     def delete_links(self) -> None:
         """Delete the links made for this request, and any made from now on."""

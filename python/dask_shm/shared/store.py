@@ -192,13 +192,17 @@ class SharedSpillStore(SpillStore):
         self.register_file(key, name)
         return True
 
-    def write_file(self, key: Key, value: object, *, only_shared: bool = False) -> str | None:
+    def write_file(
+        self, key: Key, value: object, *, only_shared: bool = False, memory: int | None = None
+    ) -> str | None:
         """A new sealed file holding ``value``, accounted but no key's yet
         (:meth:`register_file` makes it ``key``'s, :meth:`drop_file` deletes
         it); None when ``only_shared`` and the value is not worth sharing
-        (nothing written). Needs no lock of the caller's: it reads ``value``
-        and touches only the new file (the copy releases the GIL). Raises
-        PickleError, MaxSpillExceeded or OSError."""
+        (nothing written). ``memory`` is the value's ``sizeof`` when the
+        caller knows it (a buffer's weight of the value); None: measured here.
+        Needs no lock of the caller's: it reads ``value`` and touches only the
+        new file (the copy releases the GIL). Raises PickleError,
+        MaxSpillExceeded or OSError."""
         header, frames, shareable = self._prepare(key, value)
         if shareable is None:
             if only_shared:
@@ -206,7 +210,9 @@ class SharedSpillStore(SpillStore):
             if self._compression:  # read back by copy: compressed, as stock spills
                 with context_meter.add_callback(self._record):  # stock's compress meter
                     header, frames = compress_frames(header, frames, self._compression)
-        name = self._write(key, [pack_header(header), *frames], safe_sizeof(value))
+        if memory is None:
+            memory = safe_sizeof(value)
+        name = self._write(key, [pack_header(header), *frames], memory)
         del frames
         arrow_pool.release_unused()  # serialization's temporary copies, if any
         try:
