@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 from dask.sizeof import sizeof
-from distributed.protocol.serialize import Serialize, to_serialize
+from distributed.protocol.core import dumps, loads
+from distributed.protocol.serialize import Serialize, Serialized, to_serialize
 from distributed.utils import offload
 
 from dask_shm.shared import SharedSpillBuffer
@@ -106,7 +107,7 @@ def test_links_made_after_the_request_ended_are_deleted(buffer):
     data = batch(buffer, 4 * OFFLOAD_KEYS)
     started = threading.Event()
     cancelled = threading.Event()
-    export = buffer.export
+    export = buffer.hand_over
 
     def slow_export(*args: Any, **kwargs: Any) -> Any:
         # Held until the request is cancelled: on a busy host the thread
@@ -115,7 +116,7 @@ def test_links_made_after_the_request_ended_are_deleted(buffer):
         cancelled.wait(10)
         return export(*args, **kwargs)
 
-    buffer.export = slow_export  # type: ignore[method-assign]
+    buffer.hand_over = slow_export  # type: ignore[method-assign]
 
     async def cancelled_request() -> None:
         write = asyncio.ensure_future(proxy.write({"status": "OK", "data": data}))
@@ -182,3 +183,68 @@ def test_only_values_still_in_memory_count_towards_offloading(buffer):
     proxy = _HandleSwappingComm(RecordingComm(), buffer, frozenset({2}), 200 * 1024)
     assert proxy._offloads({"private": to_serialize(buffer["private"])})
     assert not proxy._offloads({"in_file": to_serialize(buffer["in_file"])})
+
+
+class Pickled:
+    """A value whose pickling counts its calls, and that is not worth sharing
+    (pickled bytes, no buffers)."""
+
+    dumps = 0
+
+    def __init__(self, nbytes: int) -> None:
+        self.text = "x" * nbytes
+
+    def __reduce__(self) -> tuple:
+        Pickled.dumps += 1
+        return (Pickled._from_text, (self.text,))
+
+    @staticmethod
+    def _from_text(text: str) -> Pickled:
+        value = Pickled(0)
+        value.text = text
+        return value
+
+
+@sizeof.register(Pickled)
+def _sizeof_pickled(value: Pickled) -> int:
+    return len(value.text)
+
+
+class HandshakenComm(RecordingComm):
+    """A RecordingComm with what distributed's comm agreed with the peer."""
+
+    def __init__(self, compression: str | None = None) -> None:
+        super().__init__()
+        self.handshake_options = {"compression": compression, "pickle-protocol": 5}
+
+
+def test_a_value_not_worth_sharing_is_serialized_once(buffer):
+    """The serialization that found a value not worth sharing is what goes
+    to the peer (as a Serialized, which the comm sends as it is): the value
+    is pickled once per transfer, as in stock, and arrives equal."""
+    buffer["objects"] = Pickled(2 * MB)
+    comm = HandshakenComm()
+    proxy = _HandleSwappingComm(comm, buffer, frozenset({2}), None, min_bytes=MB)
+    before = Pickled.dumps
+    fallbacks = buffer.shm_counters["fallback_transfers"]
+    asyncio.run(proxy.write({"status": "OK", "data": {"objects": to_serialize(buffer["objects"])}}))
+    sent = comm.sent[0]["data"]["objects"]
+    assert isinstance(sent, Serialized)
+    assert Pickled.dumps == before + 1
+    assert buffer.store.file_of("objects") is None
+    assert buffer.shm_counters["fallback_transfers"] == fallbacks + 1
+    # what the peer's comm makes of the message
+    arrived = loads(dumps({"data": {"objects": sent}}))["data"]["objects"]
+    assert isinstance(arrived, Pickled) and arrived.text == buffer["objects"].text
+    assert Pickled.dumps == before + 1
+
+
+def test_a_comm_that_compresses_gets_the_value_to_serialize(buffer):
+    """Where the comm agreed on compression with its peer, it gets the value
+    (it compresses what it serializes; frames passed through would not be)."""
+    buffer["objects"] = Pickled(2 * MB)
+    comm = HandshakenComm(compression="lz4")
+    proxy = _HandleSwappingComm(comm, buffer, frozenset({2}), None, min_bytes=MB)
+    asyncio.run(proxy.write({"status": "OK", "data": {"objects": to_serialize(buffer["objects"])}}))
+    sent = comm.sent[0]["data"]["objects"]
+    assert isinstance(sent, Serialize) and sent.data is buffer["objects"]

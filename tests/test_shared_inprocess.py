@@ -144,11 +144,11 @@ async def test_a_value_that_cannot_be_exported_goes_as_bytes(c, s, a, b):
     def broken_export(key, tiers=None):
         raise RuntimeError("export is broken")
 
-    a.data.export = broken_export
+    a.data.hand_over = broken_export  # what the sender calls
     x = c.submit(make_array, 4 * MB, 3.0, workers=[a.address], key="x")
     assert await c.submit(lambda v: float(v.sum()), x, workers=[b.address]) == 1.5 * MB
     assert a.data.shm_counters["fallback_transfers"] == 1
     assert a.data.shm_counters["link_transfers"] == 0
-    del a.data.export
+    del a.data.hand_over
     plugins[0].teardown(a)
     plugins[1].teardown(b)

@@ -195,19 +195,19 @@ def _record_export_threads(dask_worker: Worker) -> None:
 
     data = dask_worker.data
     threads: list[str] = []
-    export = data.export
+    hand_over = data.hand_over  # what the sender calls
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         threads.append(threading.current_thread().name)
-        return export(*args, **kwargs)
+        return hand_over(*args, **kwargs)
 
-    data.export = recorded
+    data.hand_over = recorded
     dask_worker._shm_export_threads = threads  # type: ignore[attr-defined]
 
 
 def _export_threads(dask_worker: Worker) -> list[str]:
     data = dask_worker.data
-    del data.export  # the instance attribute: back to the method
+    del data.hand_over  # the instance attribute: back to the method
     return dask_worker._shm_export_threads  # type: ignore[attr-defined]
 
 

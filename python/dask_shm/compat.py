@@ -213,6 +213,15 @@ def _protocol_msgpack() -> bool:
     ) and all(_code_mentions(f, "msgpack") for f in (core.dumps, serialize.serialize_bytelist))
 
 
+def _serialized_passthrough() -> bool:
+    from distributed.comm.core import Comm
+    from distributed.protocol import core
+
+    return _code_mentions(core.dumps, "Serialized") and _code_mentions(
+        Comm.__init__, "handshake_options"
+    )
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         'distributed.worker.Worker.handlers["get_data"]',
@@ -275,6 +284,13 @@ HOOKS: tuple[Hook, ...] = (
         "a closing worker (dask_shm preloaded, or in shared-memory mode) ignoring the "
         "scheduler's status changes (else it may close twice and wait 30 s for its threads)",
         worker_status_change_handler,
+    ),
+    Hook(
+        "distributed.protocol.core.dumps (sends a Serialized value's frames as they are) "
+        "and distributed.comm.core.Comm.handshake_options",
+        "shared-memory mode: a value not worth sharing sent from the frames that told so, "
+        "not serialized a second time",
+        _serialized_passthrough,
     ),
     Hook(
         "distributed.nanny.Nanny.kill (awaited by Nanny.close after its plugins' teardown)",

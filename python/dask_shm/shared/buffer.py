@@ -50,7 +50,7 @@ from dask_shm.config import byte_size, fraction, spill_limit
 from dask_shm.shared import born, limits, paths
 from dask_shm.shared.guard import ensure_value
 from dask_shm.shared.payload import read_tracking_mapping
-from dask_shm.shared.store import Handle, SharedSpillStore, mapped_values_bound
+from dask_shm.shared.store import Handle, SharedSpillStore, Unshared, mapped_values_bound
 from dask_shm.shared.tiers import TieredFiles, TierSpec, open_tiers, tier_specs, tiers_of
 from dask_shm.shared.write_ahead import ExportForecast
 from dask_shm.spill import SpillBuffer, _Handled
@@ -598,7 +598,7 @@ class SharedSpillBuffer(SpillBuffer):
                 if self._closed or self.fast.d.get(key) is not value:
                     return  # deleted, replaced or spilled while queued: nothing to write
             name = store.write_file(key, value, only_shared=True, memory=self.private_nbytes(key))
-            if name is None:
+            if isinstance(name, Unshared):
                 return  # not worth sharing
             with self._operation_lock:
                 with self.lock:
@@ -632,16 +632,24 @@ class SharedSpillBuffer(SpillBuffer):
         A write ahead of ``key`` in flight is waited for (it is the same
         write, started earlier): the caller must not hold this buffer's
         locks, which that write takes to finish."""
+        handed = self.hand_over(key, tiers)
+        return handed if isinstance(handed, Handle) else None
+
+    def hand_over(self, key: Key, tiers: Collection[int] | None = None) -> Handle | Unshared | None:
+        """:meth:`export`, except that a value in private memory found not
+        worth sharing comes back as the serialization that told
+        (:class:`~dask_shm.shared.store.Unshared`), for the caller to send
+        instead of serializing the value once more."""
         writing = self._ahead.get(key)
         if writing is not None:
             wait([writing])
-        handle = self._export(key, tiers)
-        if handle is not None and self._forecast is not None:
+        handed = self._export(key, tiers)
+        if isinstance(handed, Handle) and self._forecast is not None:
             self._forecast.exported(key)
             self._written_ahead.discard(key)
-        return handle
+        return handed
 
-    def _export(self, key: Key, tiers: Collection[int] | None) -> Handle | None:
+    def _export(self, key: Key, tiers: Collection[int] | None) -> Handle | Unshared | None:
         with self._operation_lock:
             store = self.store
             with self.lock:
@@ -662,8 +670,8 @@ class SharedSpillBuffer(SpillBuffer):
             name = store.write_file(key, value, only_shared=True, memory=memory)
         except (MaxSpillExceeded, PickleError, OSError) as e:
             return self._not_exported(key, e)
-        if name is None:
-            return None  # not worth sharing: it goes as bytes, as in stock
+        if isinstance(name, Unshared):
+            return name  # not worth sharing: it goes as bytes, as in stock
         with self._operation_lock:
             with self.lock:
                 try:

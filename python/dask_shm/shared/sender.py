@@ -12,7 +12,10 @@ published, see :mod:`dask_shm.shared.root_id`: a host sharing our tmpfs but
 not our tier-3 directory gets tier-2 files as handles and tier-3 values as
 bytes), and nothing once it refused our handles. Values that cannot be
 handed over (not worth sharing, a root it does not share, link failure) are
-sent as bytes.
+sent as bytes; one found not worth sharing goes from the frames serialized to
+tell (a :class:`~distributed.protocol.serialize.Serialized`, which the comm
+sends as they are), so that it is serialized once, as in stock, unless the
+comm compresses.
 A value still in the sender's private memory and smaller than
 ``transfer_min_size`` bytes (config default 1 MiB) is sent as bytes too:
 below that, writing it into a file, linking, mapping and deleting it cost
@@ -45,7 +48,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import context_meter
-from distributed.protocol.serialize import Serialize, to_serialize
+from distributed.protocol.serialize import Serialize, Serialized, to_serialize
 from distributed.sizeof import safe_sizeof
 from distributed.utils import offload
 
@@ -55,6 +58,7 @@ from dask_shm.config import comm_offload_bytes
 from dask_shm.shared import paths
 from dask_shm.shared.guard import comm_serializes
 from dask_shm.shared.registry import PeerRegistry
+from dask_shm.shared.store import Handle, Unshared
 from dask_shm.shared.transfer import PeerReadError
 
 if TYPE_CHECKING:
@@ -91,6 +95,12 @@ class _HandleSwappingComm:
         self._tiers = tiers
         self._offload_bytes = offload_bytes
         self._min_bytes = min_bytes
+        # What distributed's comm agreed with the peer in its handshake (an
+        # internal: absent, values not worth sharing are serialized again).
+        options = getattr(comm, "handshake_options", None) or {}
+        self._sends_frames_as_serialized = (
+            not options.get("compression") and options.get("pickle-protocol", 0) >= 5
+        )
         self.links: list[str] = []
         # An offloaded swap can outlive its request (the handler cancelled
         # while the thread writes): links made after delete_links are
@@ -126,14 +136,18 @@ class _HandleSwappingComm:
             handle = None
             if nbytes is None or nbytes >= self._min_bytes:
                 try:
-                    handle = self._buffer.export(key, self._tiers)
+                    handle = self._buffer.hand_over(key, self._tiers)
                 except Exception:  # a transfer never fails because of us: bytes
                     logger.warning("dask-shm: cannot hand %r over by link", key, exc_info=True)
-            if handle is None:
+            if not isinstance(handle, Handle):
                 counters["fallback_transfers"] += 1
+                if nbytes is None:
+                    nbytes = self._buffer.private_nbytes(key)
                 counters["fallback_bytes"] += safe_sizeof(value) if nbytes is None else nbytes
-                # Sent the stock way: its fine metrics are stock's alone.
-                out[key] = wrapped
+                # Sent the stock way (its fine metrics are stock's alone), from
+                # the frames that told it is not worth sharing where they can go
+                # as they are: serialized once, as stock does.
+                out[key] = self._serialized(handle) or wrapped
                 continue
             with self._links_lock:
                 if self._closed:
@@ -146,6 +160,17 @@ class _HandleSwappingComm:
             context_meter.digest_metric("shm-send-link", handle.size, "bytes")
             out[key] = to_serialize(handle)
         return out
+
+    def _serialized(self, unshared: Unshared | None) -> Serialized | None:
+        """``unshared``'s frames as a message value the comm sends as they
+        are, if this comm would have sent the same bytes: no compression
+        agreed with the peer, pickle protocol 5, frames that are flat
+        buffers. None otherwise (the value is then serialized again)."""
+        if unshared is None or not self._sends_frames_as_serialized:
+            return None
+        if not all(memoryview(frame).c_contiguous for frame in unshared.frames):
+            return None
+        return Serialized(unshared.header, unshared.frames)
 
     def _private_nbytes(self, key: Any) -> int | None:
         """The value's ``sizeof`` (its weight in the buffer) when the size

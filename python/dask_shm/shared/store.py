@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from dask.typing import Key
 from distributed.metrics import context_meter
@@ -96,6 +96,16 @@ class Handle:
     shareable: int
     #: file name stem of the key (``spill_store.file_stem``)
     stem: str = "in"
+
+
+class Unshared(NamedTuple):
+    """A value not worth sharing, serialized to tell: ``header`` and its
+    ``frames``, uncompressed and unsplit (see
+    :func:`~dask_shm.spill_store.serialize_unsplit`), which a sender may pass
+    on instead of serializing the value again."""
+
+    header: dict
+    frames: list
 
 
 class SharedSpillStore(SpillStore):
@@ -172,7 +182,7 @@ class SharedSpillStore(SpillStore):
         if self.write_born(key, value):
             return True
         name = self.write_file(key, value, only_shared=only_shared)
-        if name is None:
+        if isinstance(name, Unshared):
             return False
         self.register_file(key, name)
         return True
@@ -194,11 +204,12 @@ class SharedSpillStore(SpillStore):
 
     def write_file(
         self, key: Key, value: object, *, only_shared: bool = False, memory: int | None = None
-    ) -> str | None:
+    ) -> str | Unshared:
         """A new sealed file holding ``value``, accounted but no key's yet
         (:meth:`register_file` makes it ``key``'s, :meth:`drop_file` deletes
-        it); None when ``only_shared`` and the value is not worth sharing
-        (nothing written). ``memory`` is the value's ``sizeof`` when the
+        it); when ``only_shared`` and the value is not worth sharing, nothing
+        is written and the serialization that told comes back
+        (:class:`Unshared`). ``memory`` is the value's ``sizeof`` when the
         caller knows it (a buffer's weight of the value); None: measured here.
         Needs no lock of the caller's: it reads ``value`` and touches only the
         new file (the copy releases the GIL). Raises PickleError,
@@ -206,7 +217,7 @@ class SharedSpillStore(SpillStore):
         header, frames, shareable = self._prepare(key, value)
         if shareable is None:
             if only_shared:
-                return None
+                return Unshared(header, frames)
             if self._compression:  # read back by copy: compressed, as stock spills
                 with context_meter.add_callback(self._record):  # stock's compress meter
                     header, frames = compress_frames(header, frames, self._compression)
