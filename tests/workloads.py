@@ -63,6 +63,12 @@ compared (equal sums).
   zarr store's 224 time steps), ``groupby("time.month").mean()`` by flox
   with ``method="map-reduce"``, ``"cohorts"``, and ``"cohorts"`` after
   rechunking time by month (``TimeResampler("ME")``).
+- ``bag_groupby`` (not coiled's: dask.bag, whose partitions are lists of
+  Python objects): records as dicts, a 32nd of the memory per partition
+  by dask's ``sizeof``, grouped on a key into 4 partitions by a task-based
+  shuffle (pieces of a 128th of the memory cross workers), each group's
+  integer scores summed: the pieces are values shared mode finds not worth
+  sharing and sends as bytes.
 - ``matmul`` (not coiled's: ``dask-shm demo``'s n^2 workload):
   ``(x @ x.T).sum()``, x 1/16th of the memory (2 GiB for 8 workers x 4 GiB,
   the size issue 26 measured) as ``n`` by ``4 n`` floats in 32 row blocks:
@@ -320,6 +326,30 @@ def monthly_chunked_cohorts(client: Client, memory: int, scale: float) -> float:
     return _monthly_mean(client, memory, scale, "chunked-cohorts")
 
 
+#: dask's ``sizeof`` of one of bag_groupby's records (a dict of four
+#: fields, one a list of three strings), about
+_RECORD_BYTES = 800
+
+
+def _records(part: list[int], per_part: int) -> list[dict[str, Any]]:
+    return [
+        {"id": i * per_part + j, "name": f"user-{j}", "score": j % 97, "tags": ["a", "b", str(j)]}
+        for i in part
+        for j in range(per_part)
+    ]
+
+
+def bag_groupby(client: Client, memory: int, scale: float) -> float:
+    import dask.bag as db
+
+    parts = 32
+    per_part = max(100, int(memory * scale / 32 / _RECORD_BYTES))
+    bag = db.from_sequence(range(parts), npartitions=parts).map_partitions(_records, per_part)
+    groups = bag.groupby(lambda r: r["id"] % 64, shuffle="tasks", npartitions=4)
+    sums = groups.map(lambda group: sum(r["score"] for r in group[1]))
+    return float(client.compute(sums.sum()).result())
+
+
 def matmul(client: Client, memory: int, scale: float) -> float:
     n = max(32, square_side(memory * scale / 16 / 4))
     x = _rng(8).random((n, 4 * n), chunks=(-(-n // 32), 4 * n))
@@ -342,6 +372,7 @@ WORKLOADS: dict[str, Workload] = {
     "set_index_p2p": set_index_p2p,
     "spilling": spilling,
     "matmul": matmul,
+    "bag_groupby": bag_groupby,
     "quadratic_mean": quadratic_mean,
     "monthly_map_reduce": monthly_map_reduce,
     "monthly_cohorts": monthly_cohorts,
