@@ -19,7 +19,7 @@ from distributed.utils import offload
 
 from dask_shm.shared import SharedSpillBuffer
 from dask_shm.shared.sender import OFFLOAD_KEYS, _HandleSwappingComm
-from dask_shm.shared.store import Handle
+from dask_shm.shared.store import Handle, Unshared
 
 MB = 2**20
 
@@ -248,3 +248,14 @@ def test_a_comm_that_compresses_gets_the_value_to_serialize(buffer):
     asyncio.run(proxy.write({"status": "OK", "data": {"objects": to_serialize(buffer["objects"])}}))
     sent = comm.sent[0]["data"]["objects"]
     assert isinstance(sent, Serialize) and sent.data is buffer["objects"]
+
+
+def test_frames_that_are_not_flat_buffers_are_left_to_the_comm(buffer):
+    """Only frames the comm can write as they are go as a Serialized: a
+    strided array frame (``serialize_unsplit`` keeps a slice as its payload)
+    or anything that is no buffer makes the comm serialize the value."""
+    proxy = _HandleSwappingComm(HandshakenComm(), buffer, frozenset({2}), None)
+    assert isinstance(proxy._serialized(Unshared({}, [b"pickled", bytearray(8)])), Serialized)
+    assert proxy._serialized(Unshared({}, [np.ones((64, 64))[:, ::2]])) is None
+    assert proxy._serialized(Unshared({}, ["not a buffer"])) is None
+    assert proxy._serialized(None) is None

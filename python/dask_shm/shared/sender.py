@@ -168,9 +168,11 @@ class _HandleSwappingComm:
         buffers. None otherwise (the value is then serialized again)."""
         if unshared is None or not self._sends_frames_as_serialized:
             return None
-        if not all(memoryview(frame).c_contiguous for frame in unshared.frames):
+        try:
+            flat = all(memoryview(frame).c_contiguous for frame in unshared.frames)
+        except TypeError:  # not a buffer: left to the comm
             return None
-        return Serialized(unshared.header, unshared.frames)
+        return Serialized(unshared.header, unshared.frames) if flat else None
 
     def _private_nbytes(self, key: Any) -> int | None:
         """The value's ``sizeof`` (its weight in the buffer) when the size
