@@ -93,8 +93,16 @@ def record(mode: str, name: str, value: Any) -> None:
 SPILL_ORDER_DEPENDENT = {"spilling": spilling}
 
 
+#: Workloads run on the unpressed clusters. bag_groupby's lists of dicts
+#: leave a worker memory no key accounts for: on LOW_SPILL's 384 MiB workers,
+#: after the other workloads, a stock worker paused for good (RSS 334 MB,
+#: over 80% of its limit, with every key already spilled), and the test
+#: waited on it.
+UNPRESSED = {"bag_groupby"}
+
+
 @pytest.mark.timeout(900)  # a 2-core box shared with other jobs
-@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("name", [name for name in WORKLOADS if name not in UNPRESSED])
 def test_same_result_as_stock(cluster: tuple[str, Client], name: str) -> None:
     mode, client = cluster
     assert set(client.nthreads().values()) == {THREADS.get(mode, 1)}
@@ -113,12 +121,22 @@ def test_same_result_as_stock(cluster: tuple[str, Client], name: str) -> None:
     moved = {k: v - before[k] for k, v in shm_totals(client).items()}
     if name == "double_diff":
         assert moved["link_transfers"] > 0, "double_diff's shifted slices cross workers"
-    if name == "bag_groupby":
-        # lists of dicts: not worth sharing, sent from the frames that told so
-        assert moved["fallback_transfers"] > 0, moved
     if name in BY_P2P_FILE:
         assert moved["p2p_file_batches"] > 0, moved
         assert moved["p2p_file_fallbacks"] == 0, moved
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(UNPRESSED))
+def test_same_result_as_stock_unpressed(unpressed_cluster: tuple[str, Client], name: str) -> None:
+    mode, client = unpressed_cluster
+    before = shm_totals(client) if mode != "stock" else {}
+    record(mode, name, WORKLOADS[name](client, MEMORY, SCALE))
+    if mode == "stock":
+        return
+    moved = {k: v - before[k] for k, v in shm_totals(client).items()}
+    # lists of dicts, not worth sharing: sent as bytes, from the frames that told so
+    assert moved["fallback_transfers"] > 0, moved
 
 
 #: the P2P workloads, whose shards a same-host peer receives as files
