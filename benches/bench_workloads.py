@@ -27,6 +27,11 @@ hundred pages, not auto-tuned) and restores it afterwards: the outside
 measure then sees the memory the workers hold. A setting any admin can
 reproduce, recorded per run as ``pcp_high_fraction`` (None: untouched).
 
+A run that never finishes (a stock worker paused for good with every key
+already spilled has been seen in ``set_index_p2p``) fails after
+``DASK_SHM_BENCH_RUN_TIMEOUT`` seconds (default 3600) and the bench goes on
+with the next run, so one stall does not take the rest of a series with it.
+
 ``extra_info`` of each run (the ``*_bytes`` figures are printed side by side
 with ratios ours/stock by benches/conftest.py; a line per run is printed as
 it goes, with the load average):
@@ -134,6 +139,9 @@ WORKER_MEMORY = parse_bytes(os.environ.get("DASK_SHM_BENCH_WORKER_MEMORY", "512 
 SCALE = float(os.environ.get("DASK_SHM_BENCH_SCALE", "1"))
 ROUNDS = int(os.environ.get("DASK_SHM_BENCH_ROUNDS", "2"))
 PCP_HIGH_FRACTION = os.environ.get("DASK_SHM_BENCH_PCP_HIGH_FRACTION")
+#: Seconds one run (cluster start, compute, close) may take before
+#: pytest-timeout fails it and the bench goes on to the next run.
+RUN_TIMEOUT = float(os.environ.get("DASK_SHM_BENCH_RUN_TIMEOUT", "3600"))
 PCP_SYSCTL = Path("/proc/sys/vm/percpu_pagelist_high_fraction")
 INTERVAL = 0.05
 
@@ -443,7 +451,7 @@ def cluster_config(impl: str) -> dict[str, Any]:
 RUNS = [(r, impl) for r in range(ROUNDS) for impl in ("stock", "ours")]
 
 
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(RUN_TIMEOUT)
 @pytest.mark.parametrize(("round_", "impl"), RUNS, ids=[f"{r}-{i}" for r, i in RUNS])
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_workload(

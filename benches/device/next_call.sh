@@ -24,6 +24,8 @@
 #      rechunk_p2p, lists pinned, one round (a call of its own)           (item 7)
 #   7  the P2P join, set_index, vorticity, dataframe_align, lists pinned,
 #      one round                                                        (item 8)
+# RUN_LIMIT (runs take 10-30 s at 8 x 1 GiB) fails a run that stalls, as a
+# stock set_index_p2p run did on the dev box, so the step goes on without it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/device-out}"
@@ -57,14 +59,14 @@ step() {
 
 for s in $STEPS; do
     case "$s" in
-        1) step w8-pinned 200 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 K="double_diff or anom_mean" ;;
-        2) step w8-unpinned 110 W=8 MEM="1 GiB" ROUNDS=1 K="double_diff" ;;
+        1) step w8-pinned 200 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 RUN_LIMIT=120 K="double_diff or anom_mean" ;;
+        2) step w8-unpinned 110 W=8 MEM="1 GiB" ROUNDS=1 RUN_LIMIT=100 K="double_diff" ;;
         3) step handover 80 K=handover benches/bench_chain.py ;;
-        4) step w8-xarray 150 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 K="quadratic_mean or monthly_map_reduce" ;;
+        4) step w8-xarray 150 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 RUN_LIMIT=120 K="quadratic_mean or monthly_map_reduce" ;;
         5) step w8-matmul-8g 560 W=8 MEM="8 GiB" SCALE=2 ROUNDS=1 PCP=100000 K="matmul" ;;
-        6) step w8-born 560 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 HUGE=1 \
+        6) step w8-born 560 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 HUGE=1 RUN_LIMIT=120 \
             K="climatic_mean or double_diff or rechunk_p2p" ;;
-        7) step w8-added 300 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 \
+        7) step w8-added 300 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 RUN_LIMIT=90 \
             K="merge_p2p or set_index_p2p or vorticity or dataframe_align" ;;
         *) echo "unknown step $s" | tee -a "$LOG" ;;
     esac

@@ -7,7 +7,7 @@
 # off), with the machine's state before and after.
 #
 # usage: [W=8] [MEM="4 GiB"] [ROUNDS=2] [SCALE=1] [K=expr] [PCP=100000] [HUGE=1]
-#        [KEYS=100000] [LIMIT=540] [NAME=run] benches/device/run.sh [BENCH_FILE]
+#        [KEYS=100000] [LIMIT=540] [RUN_LIMIT=120] [NAME=run] benches/device/run.sh [BENCH_FILE]
 #   BENCH_FILE  default benches/bench_workloads.py
 #   W, MEM, ROUNDS, SCALE  bench_workloads' DASK_SHM_BENCH_* settings
 #   K           pytest -k expression (e.g. "double_diff or matmul")
@@ -16,6 +16,8 @@
 #               (arrays born shared turn on), unmounted at the end
 #   KEYS        bench_scale's DASK_SHM_BENCH_KEYS
 #   LIMIT       seconds before the bench is stopped (keep under the call's timeout_s)
+#   RUN_LIMIT   bench_workloads' DASK_SHM_BENCH_RUN_TIMEOUT: seconds after which
+#               one run is failed and the bench goes on with the next
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BENCH="${1:-benches/bench_workloads.py}"
@@ -33,6 +35,7 @@ export DASK_SHM_BENCH_WORKERS="${W:-8}" DASK_SHM_BENCH_WORKER_MEMORY="${MEM:-4 G
 export DASK_SHM_BENCH_ROUNDS="${ROUNDS:-2}" DASK_SHM_BENCH_SCALE="${SCALE:-1}"
 [[ -n "${PCP:-}" ]] && export DASK_SHM_BENCH_PCP_HIGH_FRACTION="$PCP"
 [[ -n "${KEYS:-}" ]] && export DASK_SHM_BENCH_KEYS="$KEYS"
+[[ -n "${RUN_LIMIT:-}" ]] && export DASK_SHM_BENCH_RUN_TIMEOUT="$RUN_LIMIT"
 
 HUGE_ROOT=""
 if [[ "${HUGE:-0}" == 1 ]]; then
