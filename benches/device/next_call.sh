@@ -24,6 +24,9 @@
 #      rechunk_p2p, lists pinned, one round (a call of its own)           (item 7)
 #   7  the P2P join, set_index, vorticity, dataframe_align, lists pinned,
 #      one round                                                        (item 8)
+#   8  bag_groupby (lists of dicts, sent from the frames serialized once)
+#      at the dev box's size, SCALE=0.125, lists pinned, one round
+#      (item 9; fits beside 3 or 4: STEPS="8 3")
 # RUN_LIMIT (runs take 10-30 s at 8 x 1 GiB) fails a run that stalls, as a
 # stock set_index_p2p run did on the dev box, so the step goes on without it.
 set -uo pipefail
@@ -68,6 +71,8 @@ for s in $STEPS; do
             K="climatic_mean or double_diff or rechunk_p2p" ;;
         7) step w8-added 300 W=8 MEM="1 GiB" ROUNDS=1 PCP=100000 RUN_LIMIT=90 \
             K="merge_p2p or set_index_p2p or vorticity or dataframe_align" ;;
+        8) step w8-bag 200 W=8 MEM="1 GiB" SCALE=0.125 ROUNDS=1 PCP=100000 RUN_LIMIT=120 \
+            K="bag_groupby" ;;
         *) echo "unknown step $s" | tee -a "$LOG" ;;
     esac
 done
