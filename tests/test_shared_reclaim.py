@@ -389,10 +389,89 @@ def test_a_nanny_reclaims_off_its_event_loop(shm_dir, disk_root, monkeypatch):
 
     with dask.config.set(shared_config(shm_dir, disk_root)):
         asyncio.run(start_and_close())
-    # both roots, at start, at close and once the worker process is gone,
-    # all in threads
-    assert len(on_loop_thread) == 6 and not any(on_loop_thread)
+    # both roots at the nanny's start, which found the dead directory, and
+    # any later sweep that found something: all in threads
+    assert len(on_loop_thread) >= 2 and not any(on_loop_thread)
     assert not any(os.path.exists(f) for f in files)
+
+
+def test_nothing_to_reclaim_tells_without_waiting_or_changing_anything(shm_dir, disk_root):
+    """The probe a starting server makes on its event loop before it sweeps
+    (in a thread) only where a sweep would do something."""
+    import fcntl
+
+    from dask_shm.shared import paths
+
+    assert paths.nothing_to_reclaim(shm_dir) and paths.nothing_to_reclaim(disk_root, peers=False)
+    proc = make_process_dir(shm_dir, disk_root, (MB, MB))
+    files = json.loads(proc.stdout.readline())
+    try:
+        # a live process's directories: nothing to do
+        assert paths.nothing_to_reclaim(shm_dir)
+        assert paths.nothing_to_reclaim(disk_root, peers=False)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert not paths.nothing_to_reclaim(shm_dir)
+    assert not paths.nothing_to_reclaim(disk_root, peers=False)
+    assert all(os.path.exists(f) for f in files)  # probing removed nothing
+    for root, peers in ((shm_dir, True), (disk_root, False)):
+        paths.reclaim(root, peers=peers)
+        assert paths.nothing_to_reclaim(root, peers=peers)
+
+    # another sweep under way (it holds the user directory's lock): not
+    # skipped, so that the budget after it sees what that sweep freed
+    base = os.path.join(shm_dir, f"dask-shm-{UID}")
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert not paths.nothing_to_reclaim(shm_dir)
+    finally:
+        os.close(fd)
+    assert paths.nothing_to_reclaim(shm_dir)
+
+    # a half-written registry entry: fresh, left; stale, to be swept
+    stale = os.path.join(paths.peers_directory(shm_dir), "w-gone.tmp")
+    Path(stale).touch()
+    assert paths.nothing_to_reclaim(shm_dir)
+    old = os.stat(stale).st_mtime - paths.TMP_GRACE_SECONDS - 1
+    os.utime(stale, (old, old))
+    assert not paths.nothing_to_reclaim(shm_dir)
+    assert paths.nothing_to_reclaim(shm_dir, peers=False)
+    paths.reclaim(shm_dir)
+    assert not os.path.exists(stale) and paths.nothing_to_reclaim(shm_dir)
+
+    # a root with no user directory yet: a sweep would do nothing either
+    assert paths.nothing_to_reclaim(os.path.join(shm_dir, "missing"))
+    # a user directory that is a file: cannot tell, so the caller sweeps (and says why)
+    unusable = os.path.join(shm_dir, "unusable")
+    os.mkdir(unusable)
+    Path(unusable, f"dask-shm-{UID}").touch()
+    assert not paths.nothing_to_reclaim(unusable)
+
+
+def test_an_in_process_cluster_knows_its_workers_when_it_has_started(shm_dir, disk_root):
+    """As with stock: once ``async with SpecCluster(...)`` has begun, the
+    cluster's own list of workers holds all of them (adaptive scaling reads
+    it). The start-up sweep went through a thread even with nothing to
+    sweep, and each worker then registered in a loop turn of its own: the
+    list lagged in most starts, and distributed's ``test_worker_keys``
+    retired one worker of a pair."""
+    from distributed import Scheduler, SpecCluster, Worker
+
+    names = ["a-1", "a-2", "b-1", "b-2"]
+
+    async def observed_at_start() -> set[str]:
+        async with SpecCluster(
+            scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
+            workers={name: {"cls": Worker} for name in names},
+            asynchronous=True,
+        ) as cluster:
+            return set(cluster.observed)
+
+    with dask.config.set(shared_config(shm_dir, disk_root)):
+        for _ in range(5):
+            assert asyncio.run(observed_at_start()) == set(names)
 
 
 def process_dirs(root: str) -> list[str]:

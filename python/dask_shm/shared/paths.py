@@ -499,6 +499,59 @@ def reclaimable(root: str) -> Reclaim:
     return _reclaim(base, remove=False)
 
 
+def nothing_to_reclaim(root: str, *, peers: bool = True) -> bool:
+    """Whether :func:`reclaim` of ``root`` would neither remove anything nor
+    wait: no other sweep of this user's directory is under way (in this
+    process or another), no process directory there is dead, and
+    (``peers``) no registry entry is dead or a stale half-written one.
+    O(directories and registry entries) non-blocking lock probes; never
+    waits, changes nothing. False whenever it cannot tell (an unusable root,
+    an error): the caller then sweeps as usual, which logs why."""
+    try:
+        base = _usable_user_dir_path(root)
+        try:
+            fd = os.open(base, _DIR_FLAGS)
+        except FileNotFoundError:
+            return True
+        try:
+            # A sweep holds this lock while it removes: not ours to skip then.
+            if not liveness.try_lock(fd):
+                return False
+            own = _current(base)
+            for name in os.listdir(base):
+                if not name.startswith(("p-", ".new-p-")):
+                    continue
+                if own is not None and os.path.join(base, name) == own.path:
+                    continue
+                dead = _lock_of_dead_dir(base, name)
+                if dead is not None:
+                    os.close(dead)
+                    return False
+        finally:
+            os.close(fd)
+        if peers and os.path.isdir(os.path.join(base, "peers")):
+            return not _dead_peer_entries(os.path.join(base, "peers"))
+        return True
+    except (UnusableRoot, OSError):
+        return False
+
+
+def _dead_peer_entries(directory: str) -> bool:
+    """Whether :func:`sweep_peers` would remove an entry of ``directory``."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.endswith(".tmp"):
+            try:
+                if time.time() - os.lstat(path).st_mtime > TMP_GRACE_SECONDS:
+                    return True
+            except OSError:
+                pass
+            continue
+        if not liveness.owner_alive(path, ENTRY_FLAGS):
+            return True
+    return False
+
+
 def reclaim(root: str, *, peers: bool = True) -> Reclaim:
     """Remove the directories of processes that are gone (a process killed
     with SIGKILL cannot clean up after itself), and (``peers``) the
