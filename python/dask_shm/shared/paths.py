@@ -446,6 +446,26 @@ def _sweeping(base: str) -> Iterator[None]:
         os.close(fd)
 
 
+def _dead_dirs(base: str) -> Iterator[tuple[str, int]]:
+    """``(path, descriptor holding its lock)`` of each dead process directory
+    in the user directory ``base``, never this process's own (see
+    :func:`_lock_of_dead_dir`); the caller closes the descriptors."""
+    own = _current(base)
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return
+    for name in names:
+        if not name.startswith(("p-", ".new-p-")):
+            continue
+        path = os.path.join(base, name)
+        if own is not None and path == own.path:
+            continue
+        fd = _lock_of_dead_dir(base, name)
+        if fd is not None:
+            yield path, fd
+
+
 def _reclaim(base: str, *, remove: bool) -> Reclaim:
     """Find (and with ``remove``, remove) the directories of dead processes in
     the user directory ``base``, never this process's own. One process sweeps
@@ -454,21 +474,9 @@ def _reclaim(base: str, *, remove: bool) -> Reclaim:
     removed twice."""
     held: list[tuple[str, int]] = []
     with _held_lock, _sweeping(base):
-        own = _current(base)
         try:
-            try:
-                names = sorted(os.listdir(base))
-            except FileNotFoundError:
-                names = []
-            for name in names:
-                if not name.startswith(("p-", ".new-p-")):
-                    continue
-                path = os.path.join(base, name)
-                if own is not None and path == own.path:
-                    continue
-                fd = _lock_of_dead_dir(base, name)
-                if fd is not None:
-                    held.append((path, fd))
+            for dead in _dead_dirs(base):
+                held.append(dead)
             directories = [path for path, _ in held]
             freed = _freed_bytes(directories)
             if remove:
@@ -517,39 +525,17 @@ def nothing_to_reclaim(root: str, *, peers: bool = True) -> bool:
             # A sweep holds this lock while it removes: not ours to skip then.
             if not liveness.try_lock(fd):
                 return False
-            own = _current(base)
-            for name in os.listdir(base):
-                if not name.startswith(("p-", ".new-p-")):
-                    continue
-                if own is not None and os.path.join(base, name) == own.path:
-                    continue
-                dead = _lock_of_dead_dir(base, name)
-                if dead is not None:
-                    os.close(dead)
-                    return False
+            for _, dead in _dead_dirs(base):
+                os.close(dead)
+                return False
         finally:
             os.close(fd)
-        if peers and os.path.isdir(os.path.join(base, "peers")):
-            return not _dead_peer_entries(os.path.join(base, "peers"))
+        directory = os.path.join(base, "peers")
+        if peers and os.path.isdir(directory):
+            return next(_gone_entries(directory, remove=False), None) is None
         return True
     except (UnusableRoot, OSError):
         return False
-
-
-def _dead_peer_entries(directory: str) -> bool:
-    """Whether :func:`sweep_peers` would remove an entry of ``directory``."""
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if name.endswith(".tmp"):
-            try:
-                if time.time() - os.lstat(path).st_mtime > TMP_GRACE_SECONDS:
-                    return True
-            except OSError:
-                pass
-            continue
-        if not liveness.owner_alive(path, ENTRY_FLAGS):
-            return True
-    return False
 
 
 def reclaim(root: str, *, peers: bool = True) -> Reclaim:
@@ -598,8 +584,14 @@ def sweep_peers(root: str) -> list[str]:
     """Remove registry entries whose worker is gone (nobody holds their
     lock), and half-written ones older than :data:`TMP_GRACE_SECONDS`;
     returns their file names."""
-    directory = peers_directory(root)
-    removed = []
+    return list(_gone_entries(peers_directory(root), remove=True))
+
+
+def _gone_entries(directory: str, *, remove: bool) -> Iterator[str]:
+    """Names of the registry entries in ``directory`` whose worker is gone
+    (nobody holds their lock) and of half-written ones older than
+    :data:`TMP_GRACE_SECONDS` that nobody holds; with ``remove`` each is
+    unlinked as it is found."""
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
         if name.endswith(".tmp"):
@@ -609,9 +601,8 @@ def sweep_peers(root: str) -> list[str]:
                 continue
             if not old:
                 continue
-        if not liveness.owner_alive(path, ENTRY_FLAGS, remove_if_dead=True):
-            removed.append(name)
-    return removed
+        if not liveness.owner_alive(path, ENTRY_FLAGS, remove_if_dead=remove):
+            yield name
 
 
 def sweep_dead_processes(root: str, *, peers: bool = True) -> list[str]:
