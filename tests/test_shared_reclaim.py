@@ -430,6 +430,24 @@ def test_nothing_to_reclaim_tells_without_waiting_or_changing_anything(shm_dir, 
         os.close(fd)
     assert paths.nothing_to_reclaim(shm_dir)
 
+    # a sweep of another root under way in another thread of this process
+    held, release = threading.Event(), threading.Event()
+
+    def sweeping_elsewhere() -> None:
+        with paths._held_lock:
+            held.set()
+            release.wait(30)
+
+    sweeper = threading.Thread(target=sweeping_elsewhere)
+    sweeper.start()
+    try:
+        held.wait(30)
+        assert not paths.nothing_to_reclaim(shm_dir)
+    finally:
+        release.set()
+        sweeper.join()
+    assert paths.nothing_to_reclaim(shm_dir)
+
     # a half-written registry entry: fresh, left; stale, to be swept
     stale = os.path.join(paths.peers_directory(shm_dir), "w-gone.tmp")
     Path(stale).touch()

@@ -514,7 +514,8 @@ def nothing_to_reclaim(root: str, *, peers: bool = True) -> bool:
     (``peers``) no registry entry is dead or a stale half-written one.
     O(directories and registry entries) non-blocking lock probes; never
     waits, changes nothing. False whenever it cannot tell (an unusable root,
-    an error): the caller then sweeps as usual, which logs why."""
+    an error, a sweep of another root in another thread of this process):
+    the caller then sweeps as usual, which logs why."""
     try:
         base = _usable_user_dir_path(root)
         try:
@@ -525,9 +526,17 @@ def nothing_to_reclaim(root: str, *, peers: bool = True) -> bool:
             # A sweep holds this lock while it removes: not ours to skip then.
             if not liveness.try_lock(fd):
                 return False
-            for _, dead in _dead_dirs(base):
-                os.close(dead)
+            # _dead_dirs reads this process's own directories, which a sweep
+            # in another thread (of another root) may be changing: the probe
+            # does not wait for it, so it cannot tell then.
+            if not _held_lock.acquire(blocking=False):
                 return False
+            try:
+                for _, dead in _dead_dirs(base):
+                    os.close(dead)
+                    return False
+            finally:
+                _held_lock.release()
         finally:
             os.close(fd)
         directory = os.path.join(base, "peers")
